@@ -1,0 +1,87 @@
+"""Model architectures in plain PyTorch, and how to build them from an HF checkpoint or a seed.
+
+    from deepinfer.models import build_model
+    model = build_model(config=TINY_CONFIG, seed=0)                # built-in random weights
+    model = build_model(checkpoint="path/to/hf_dir", dtype="bfloat16")
+    model = build_model(config=big_config, device="meta")          # shapes only, for tracing
+"""
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, SafetensorsDir, init_buffers, read_config, set_parameter
+from .deepseek_v3 import DeepseekV3, init_random
+from .deepseek_v3_config import TINY_CONFIG, ConfigError, DeepseekV3Config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ARCHS = ("deepseek_v3",)
+
+
+def build_model(
+    arch: str = "deepseek_v3",
+    checkpoint: str | Path | None = None,
+    config: dict | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> DeepseekV3:
+    """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
+
+    device="meta" builds shapes only: nothing is allocated and no weights are read."""
+    if arch not in ARCHS:
+        raise ConfigError(f"model.arch={arch!r} is not supported; choose one of {list(ARCHS)}.")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; choose one of {list(DTYPES)}.")
+    if (checkpoint is None) == (config is None):
+        raise ConfigError("give exactly one of model.checkpoint (an HF directory) or model.config (a dict).")
+    if checkpoint is not None:
+        config_dict, source = read_config(Path(checkpoint)), str(Path(checkpoint) / "config.json")
+    else:
+        config_dict, source = config, "model.config"
+    cfg = DeepseekV3Config.from_dict(config_dict, source)
+    with torch.device("meta"):
+        model = DeepseekV3(cfg)
+    if device == "meta":
+        return model
+    weights = SafetensorsDir(Path(checkpoint)) if checkpoint is not None else None
+    for name, param in list(model.named_parameters()):
+        param_dtype = torch.float32 if name.endswith(DeepseekV3.FLOAT32_PARAMS) else DTYPES[dtype]
+        if weights is None:
+            tensor = torch.empty(param.shape, dtype=param_dtype)
+        else:
+            tensor = _checkpoint_tensor(weights, name, cfg, tuple(param.shape)).to(param_dtype)
+        set_parameter(model, name, tensor)
+    model.tie_weights()
+    init_buffers(model)
+    if weights is None:
+        init_random(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def _checkpoint_tensor(weights: SafetensorsDir, name: str, cfg: DeepseekV3Config, shape: tuple) -> torch.Tensor:
+    """Our parameter `name`, read from HF's per-expert checkpoint layout and shape-checked."""
+    layer, _, rest = name.partition(".mlp.experts_")
+    if rest:  # stacked routed experts [E, out, in] from model.layers.N.mlp.experts.E.*_proj.weight
+        prefix = f"model.{layer}.mlp.experts"
+        parts = ("gate_proj", "up_proj") if rest == "gate_up" else ("down_proj",)
+        keys = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(shape[0])]
+        per_expert_shape = (shape[1] // len(parts), shape[2])
+        tensor = torch.stack([torch.cat([_read(weights, k, per_expert_shape) for k in expert]) for expert in keys])
+        return tensor
+    key = {"embed.weight": "model.embed_tokens.weight", "head.norm.weight": "model.norm.weight",
+           "head.lm_head.weight": "lm_head.weight"}.get(name, f"model.{name}")
+    return _read(weights, key, shape)
+
+
+def _read(weights: SafetensorsDir, key: str, shape: tuple) -> torch.Tensor:
+    tensor = weights.get(key)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(
+            f"{weights.file_of(key)}: weight {key!r} has shape {list(tensor.shape)}, but config.json implies {list(shape)}. "
+            "The config and the weights come from different models."
+        )
+    return tensor
+
+
+__all__ = ["build_model", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config", "TINY_CONFIG", "DTYPES"]

@@ -1,0 +1,338 @@
+"""DeepSeek-V3 in plain PyTorch, written for static-graph compilation.
+
+The math follows HF transformers' `DeepseekV3ForCausalLM`: MLA attention over a compressed KV
+cache, dense SwiGLU MLPs for the first `first_k_dense_replace` layers, DeepSeekMoE after that.
+
+The model is a short Python driver (`prefill`, `decode`) over sub-modules that the compiler
+traces one KIND at a time: `embed`, `layers[i]` (dense or MoE), `head`. Every sub-module method
+takes plain tensors, so one traced graph serves every layer of its kind:
+
+    prefill(tokens [T], positions [T], write_slots [T], read_slot [1], last_index [1], kv) -> logits [1, V]
+        one chunk of one sequence; attention covers the cached prefix plus the chunk (causal).
+    decode(tokens [B], positions [B], slots [B], kv) -> logits [B, V]
+        one token for each of B sequences.
+
+KV cache: one tensor per layer, [max_seqs + 1, max_len, kv_lora_rank + qk_rope_head_dim], holding
+the normalized latent and the rotated rope key; written in place. Slot `max_seqs` is scratch:
+padding rows and padding tokens write there, never into a live sequence.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order as HF: normalize in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale, as HF's default and YaRN rope compute them."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    inv_freq = 1.0 / (rope.rope_theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.rope_theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1 where the original frequency is kept
+    inv_freq = inv_freq / rope.factor * (1 - extrapolation) + inv_freq * extrapolation
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(rope.factor, 1.0)
+    return inv_freq, float(attention_factor)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [..., r] by cos/sin [..., r/2] (already broadcast to x's leading dims).
+
+    Interleaved pairs (x0, x1), (x2, x3), ... come out de-interleaved, as in HF; queries and keys
+    get the same layout, so their dot products are unchanged."""
+    half = x.shape[-1] // 2
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class InputEmbedding(nn.Module):
+    """Token embedding plus this step's rope angles, shared by every layer."""
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.rope = config.rope
+        self.rope_dim = config.qk_rope_head_dim
+        self.init_buffers()
+
+    def init_buffers(self):
+        with torch.device("cpu"):  # derived from the config, also when the weights are on meta
+            inv_freq, self.attention_factor = rope_frequencies(self.rope, self.rope_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor):
+        h = F.embedding(tokens, self.weight)  # [T, D]
+        angles = positions[:, None].float() * self.inv_freq[None, :]  # [T, r/2]
+        cos = (angles.cos() * self.attention_factor).to(h.dtype)
+        sin = (angles.sin() * self.attention_factor).to(h.dtype)
+        return h, cos, sin
+
+
+def linear(dim_in: int, dim_out: int, bias: bool = False) -> nn.Linear:
+    return nn.Linear(dim_in, dim_out, bias=bias)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with the compressed cache and absorbed up-projections."""
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        c = config
+        self.n_heads = c.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.interleaved = c.rope_interleave
+        self.scale = c.softmax_scale
+        if c.q_lora_rank is None:
+            self.q_proj = linear(c.hidden_size, self.n_heads * c.qk_head_dim)
+        else:
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = linear(c.q_lora_rank, self.n_heads * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_cache_dim, c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
+        self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, c.attention_bias)
+
+    def project_and_store(self, x, cos, sin, positions, write_slots, kv):
+        """Queries for x [T, D]; stores this step's latent + rope key at (write_slots, positions)."""
+        T = x.shape[0]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
+        q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleaved)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = apply_rope(k_rope, cos, sin, self.interleaved)  # [T, r]
+        kv.index_put_((write_slots, positions), torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1))
+        return q_nope, q_rope
+
+    def attend(self, q_nope, q_rope, rows, positions):
+        """q [T, H, *] against cached rows [T, L, C] (one per query) or [L, C] (shared) -> [T, D].
+
+        Key j is visible to query t when j <= positions[t]: the cached prefix plus causal
+        attention inside the chunk, since this step's keys were stored before attending."""
+        w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv_b.split([self.nope, self.v_dim], dim=1)  # [H, n, R], [H, v, R]
+        latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [.., L, R], [.., L, r]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        scores = torch.matmul(q_latent, latent.mT) + torch.matmul(q_rope, k_rope.mT)  # [T, H, L]
+        key_positions = torch.arange(rows.shape[-2], device=rows.device)
+        visible = key_positions[None, :] <= positions[:, None]  # [T, L]
+        scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        out_latent = torch.matmul(probs, latent)  # [T, H, R]
+        out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v]
+        return self.o_proj(out.flatten(1))
+
+    def prefill(self, x, cos, sin, positions, write_slots, read_slot, kv):
+        q_nope, q_rope = self.project_and_store(x, cos, sin, positions, write_slots, kv)
+        return self.attend(q_nope, q_rope, kv.index_select(0, read_slot)[0], positions)  # rows [L, C]
+
+    def decode(self, x, cos, sin, positions, slots, kv):
+        q_nope, q_rope = self.project_and_store(x, cos, sin, positions, slots, kv)
+        return self.attend(q_nope, q_rope, kv.index_select(0, slots), positions)  # rows [B, L, C]
+
+
+class MLP(nn.Module):
+    """SwiGLU: the dense layers' MLP and the MoE's shared experts."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = linear(dim, hidden)
+        self.up_proj = linear(dim, hidden)
+        self.down_proj = linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores, bias-corrected group-limited top-k selection (DeepSeek-V3 `noaux_tc`)."""
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        c = config
+        self.top_k, self.n_group, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = c.norm_topk_prob, c.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x):
+        """x [N, D] -> routing weights [N, k] and global expert ids [N, k]."""
+        N, E = x.shape[0], self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias  # the bias steers selection only
+        group_scores = choice.view(N, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+        top_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [N, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0)  # [N, G]
+        expert_mask = group_mask[:, :, None].expand(N, self.n_group, E // self.n_group).reshape(N, E)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # [N, k]
+        weights = scores.gather(1, ids)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked [E_local, out, in]) plus shared experts, in static-shape form.
+
+    This rank holds experts [expert_offset, expert_offset + E_local); the offset is a buffer, not
+    a Python constant, so every rank traces the same graph. A routed expert held elsewhere
+    contributes zero here."""
+
+    def __init__(self, config: DeepseekV3Config, n_local_experts: int | None = None):
+        super().__init__()
+        c = config
+        E = n_local_experts or c.n_routed_experts
+        I = c.moe_intermediate_size
+        self.gate = Router(c)
+        self.experts_gate_up = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # gate rows, then up rows
+        self.experts_down = nn.Parameter(torch.empty(E, c.hidden_size, I))
+        self.shared_experts = MLP(c.hidden_size, I * c.n_shared_experts)
+        self.init_buffers()
+
+    def init_buffers(self):
+        self.register_buffer("expert_offset", torch.zeros((), dtype=torch.int64, device="cpu"), persistent=False)
+
+    def forward(self, x):
+        weights, ids = self.gate(x)  # [N, k], [N, k]
+        E_local = self.experts_gate_up.shape[0]
+        local_ids = ids - self.expert_offset
+        is_local = (local_ids >= 0) & (local_ids < E_local)
+        weights = torch.where(is_local, weights, 0.0).to(x.dtype)
+        local_ids = local_ids.clamp(0, E_local - 1)
+        # Static shapes pick the form: gathering k experts per row reads less than all experts
+        # only while rows * k < E_local (decode); otherwise compute every local expert (prefill).
+        if x.shape[0] * ids.shape[1] < E_local:
+            routed = self._gathered_experts(x, weights, local_ids)
+        else:
+            routed = self._all_experts(x, weights, local_ids)
+        return routed + self.shared_experts(x)
+
+    def _gathered_experts(self, x, weights, local_ids):
+        gate_up = self.experts_gate_up[local_ids]  # [N, k, 2I, D]
+        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up).chunk(2, dim=-1)  # [N, k, I] each
+        y = torch.einsum("nki,nkdi->nkd", F.silu(gate) * up, self.experts_down[local_ids])  # [N, k, D]
+        return (y * weights[..., None]).sum(dim=1)
+
+    def _all_experts(self, x, weights, local_ids):
+        combine = torch.zeros(x.shape[0], self.experts_gate_up.shape[0], dtype=x.dtype, device=x.device)
+        combine = combine.scatter_add(1, local_ids, weights)  # [N, E_local], zero where not routed
+        gate, up = torch.einsum("nd,efd->nef", x, self.experts_gate_up).chunk(2, dim=-1)  # [N, E, I]
+        y = torch.einsum("nei,edi->ned", F.silu(gate) * up, self.experts_down)  # [N, E, D]
+        return torch.einsum("ned,ne->nd", y, combine)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + (dense MLP | MoE). `kind` names what the compiler traces once."""
+
+    def __init__(self, config: DeepseekV3Config, moe: bool):
+        super().__init__()
+        self.kind = "moe" if moe else "dense"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def prefill(self, h, cos, sin, positions, write_slots, read_slot, kv):
+        h = h + self.self_attn.prefill(self.input_layernorm(h), cos, sin, positions, write_slots, read_slot, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode(self, h, cos, sin, positions, slots, kv):
+        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, positions, slots, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LMHead(nn.Module):
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, h):
+        return self.lm_head(self.norm(h)).float()  # [N, V]
+
+
+class DeepseekV3(nn.Module):
+    # Router parameters stay float32 whatever the model dtype, as in HF.
+    FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        self.config = config
+        self.embed = InputEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i)) for i in range(config.num_hidden_layers))
+        self.head = LMHead(config)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.head.lm_head.weight = self.embed.weight
+
+    def new_kv_cache(self, max_seqs: int, max_len: int) -> list[torch.Tensor]:
+        """One tensor per layer, [max_seqs + 1, max_len, C]; slot max_seqs is the scratch slot."""
+        shape = (max_seqs + 1, max_len, self.config.kv_cache_dim)
+        return [torch.zeros(shape, dtype=self.embed.weight.dtype) for _ in self.layers]
+
+    def prefill(self, tokens, positions, write_slots, read_slot, last_index, kv):
+        h, cos, sin = self.embed(tokens, positions)
+        for layer, layer_kv in zip(self.layers, kv):
+            h = layer.prefill(h, cos, sin, positions, write_slots, read_slot, layer_kv)
+        return self.head(h.index_select(0, last_index))  # [1, V]
+
+    def decode(self, tokens, positions, slots, kv):
+        h, cos, sin = self.embed(tokens, positions)
+        for layer, layer_kv in zip(self.layers, kv):
+            h = layer.decode(h, cos, sin, positions, slots, layer_kv)
+        return self.head(h)  # [B, V]
+
+
+def init_random(model: DeepseekV3, seed: int) -> DeepseekV3:
+    """Deterministic random weights, scaled so logits are decisive (unlike HF's std=0.02 init,
+    where nearly every greedy token is a near-tie). Norm weights stay 1."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                fan_in = param.shape[-1] if name != "embed.weight" else 1
+                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
+    return model

@@ -1,0 +1,188 @@
+"""DeepSeek-V3 configuration: HF `config.json` field names, validated on the way in.
+
+Only fields that change the math are kept; anything else in a checkpoint's config.json
+(tokenizer ids aside) is ignored. A value we cannot honour raises `ConfigError` naming the key.
+"""
+
+import math
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A config value that is missing, unknown or not supported; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE over `qk_rope_head_dim`: the default form or YaRN, as HF `rope_parameters` write it."""
+
+    rope_type: str = "default"  # default | yarn
+    rope_theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    rope: RopeConfig = field(default_factory=RopeConfig)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one cached position: the compressed latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.first_k_dense_replace
+
+    def to_dict(self) -> dict:
+        """HF-style dict (rope as `rope_parameters`) that `from_dict` reads back unchanged."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope"}
+        out["model_type"] = "deepseek_v3"
+        out["rope_parameters"] = {f.name: getattr(self.rope, f.name) for f in fields(RopeConfig)}
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "DeepseekV3Config":
+        """Build from an HF config.json dict. `source` names the file in error messages."""
+        return cls(**_checked_fields(raw, source), rope=_rope_config(raw, source))
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _checked_fields(raw: dict, source: str) -> dict:
+    model_type = raw.get("model_type", "deepseek_v3")
+    if model_type != "deepseek_v3":
+        raise ConfigError(
+            f"{source}: model_type is {model_type!r}, but this loader reads 'deepseek_v3' only. "
+            "Point model.checkpoint at a DeepSeek-V3 checkpoint, or set model.arch to match."
+        )
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise ConfigError(
+            f"{source}: quantization_config (quant_method={method!r}) is not supported yet. "
+            "Dequantize the checkpoint to bfloat16 first (DeepSeek's fp8_cast_bf16.py does this)."
+        )
+    unsupported = {
+        "hidden_act": ("silu",),
+        "scoring_func": ("sigmoid",),
+        "topk_method": ("noaux_tc",),
+        "pretraining_tp": (1,),
+    }
+    for key, allowed in unsupported.items():
+        if key in raw and raw[key] not in allowed:
+            raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
+    known = {f.name for f in fields(DeepseekV3Config)} - {"rope"}
+    values = {k: raw[k] for k in known if k in raw and raw[k] is not None}
+    if raw.get("q_lora_rank", 0) is None:
+        values["q_lora_rank"] = None  # null means a plain q projection
+    if isinstance(values.get("eos_token_id"), list):
+        values["eos_token_id"] = values["eos_token_id"][0]
+    # num_key_value_heads is not read: MLA's kv_b_proj expands the shared latent for every head.
+    experts = values.get("n_routed_experts", DeepseekV3Config.n_routed_experts)
+    groups = values.get("n_group", DeepseekV3Config.n_group)
+    if experts % groups:
+        raise ConfigError(f"{source}: n_routed_experts={experts} is not divisible by n_group={groups}.")
+    if values.get("topk_group", DeepseekV3Config.topk_group) > groups:
+        raise ConfigError(f"{source}: topk_group={values['topk_group']} exceeds n_group={groups}.")
+    return values
+
+
+def _rope_config(raw: dict, source: str) -> RopeConfig:
+    # New HF configs write `rope_parameters`; real DeepSeek checkpoints write `rope_scaling` + `rope_theta`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"{source}: {key}.rope_type={rope_type!r} is not supported (default or yarn).")
+    params.setdefault("rope_theta", raw.get("rope_theta", RopeConfig.rope_theta))
+    params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 4096))
+    if params.get("factor") is None:
+        params["factor"] = raw.get("max_position_embeddings", 4096) / params["original_max_position_embeddings"]
+    known = {f.name for f in fields(RopeConfig)}
+    unknown = sorted(set(params) - known - {"partial_rotary_factor"})
+    if unknown:
+        raise ConfigError(f"{source}: {key} has unknown field(s) {unknown}.")
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source}: {key}.partial_rotary_factor other than 1.0 is not supported.")
+    for name in ("beta_fast", "beta_slow"):
+        if params.get(name) is None:
+            params.pop(name, None)  # HF treats a null as the default
+    return RopeConfig(rope_type=rope_type, **params)
+
+
+# The built-in tiny model for the demo and tests: 1 dense + 2 MoE layers, 8 experts in 4 groups.
+TINY_CONFIG = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 8,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 256,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}

@@ -1,0 +1,46 @@
+"""Tokenizers: `tokenizer.json` through the `tokenizers` library, or a byte-level fallback."""
+
+from pathlib import Path
+
+from .errors import DeepinferError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 2..257; ids 0 and 1 stay free for BOS/EOS. For models without a tokenizer."""
+
+    OFFSET = 2
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 256 + self.OFFSET:
+            raise DeepinferError(f"the byte-level tokenizer needs vocab_size >= {256 + self.OFFSET}, not {vocab_size}; add a tokenizer.json.")
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises a bare Exception on bad files
+            raise DeepinferError(f"{path}: cannot read tokenizer ({err}).") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(directory: Path | None, vocab_size: int):
+    """`directory/tokenizer.json` if there is one, else bytes."""
+    path = Path(directory) / "tokenizer.json" if directory is not None else None
+    if path is not None and path.is_file():
+        return HFTokenizer(path)
+    return ByteTokenizer(vocab_size)

@@ -1,0 +1,59 @@
+"""The engine's scheduling (queue, chunked prefill, batched decode, padding) must not change tokens."""
+
+import pytest
+import torch
+
+from deepinfer.compiler.eager import eager_engine
+from deepinfer.models import TINY_CONFIG, build_model
+from deepinfer.runtime.engine import Request
+from deepinfer.runtime.errors import DeepinferError
+from deepinfer.runtime.sampling import SamplingParams, sample
+from tests.models.conftest import greedy
+
+PROMPTS = [[5, 6, 7], list(range(20, 60)), [100] * 17, [9, 8], list(range(200, 230)), [1, 2, 3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(config=TINY_CONFIG, seed=0)
+
+
+def test_batched_queued_generation_equals_each_prompt_alone(model):
+    # 6 prompts, 4 slots (a queue and slot reuse), decode buckets up to 2 (several steps a token).
+    engine = eager_engine(model, prefill_buckets=(8, 16), decode_buckets=(1, 2), max_seqs=4, max_len=128)
+    results = engine.generate([Request(p, max_tokens=10) for p in PROMPTS])
+    for prompt, result in zip(PROMPTS, results):
+        alone, _ = greedy(model, prompt, 10)
+        eos = model.config.eos_token_id
+        expected = alone[: alone.index(eos) + 1] if eos in alone else alone
+        assert result.token_ids == expected
+        assert result.finish_reason == ("eos" if eos in alone else "max_tokens") and result.ttft > 0
+
+
+def test_prompt_past_context_limit_is_a_clear_error(model):
+    engine = eager_engine(model, max_len=32)
+    with pytest.raises(DeepinferError, match=r"32 tokens is past the context limit.*kv.max_len=32"):
+        engine.generate([Request(list(range(32)))])
+
+
+def test_generation_stops_at_context_limit_and_eos(model):
+    engine = eager_engine(model, max_len=24)
+    [result] = engine.generate([Request(list(range(20)), max_tokens=50)])
+    assert result.finish_reason == "context" and len(result.prompt_ids) + len(result.token_ids) == 25
+    first = eager_engine(model).generate([Request([5, 6, 7], max_tokens=8)])[0].token_ids
+    engine = eager_engine(model)
+    engine.eos_id = first[2]
+    [result] = engine.generate([Request([5, 6, 7], max_tokens=8)])
+    assert result.token_ids == first[:3] and result.finish_reason == "eos"
+
+
+def test_sampling_is_seeded_and_top_p_narrows_to_greedy():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+    a = sample(logits, params, torch.Generator().manual_seed(1))
+    b = sample(logits, params, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    tiny_p = sample(logits, SamplingParams(temperature=1.0, top_p=1e-6), torch.Generator().manual_seed(1))
+    assert torch.equal(tiny_p, logits.argmax(-1))
+    draws = torch.stack([sample(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(s)) for s in range(20)])
+    assert len(set(draws[:, 0].tolist())) > 1  # real sampling, not argmax

@@ -3,12 +3,14 @@
     from deepinfer.models import build_model
     model = build_model(config=TINY_CONFIG, seed=0)                # built-in random weights
     model = build_model(checkpoint="path/to/hf_dir", dtype="bfloat16")
-    model = build_model(config=big_config, device="meta")          # shapes only, for tracing
+    model = build_model(config=big_config, device="fake")          # shapes only, for tracing
 """
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .checkpoint import CheckpointError, SafetensorsDir, init_buffers, read_config, set_parameter
 from .deepseek_v3 import DeepseekV3, init_random
@@ -28,7 +30,9 @@ def build_model(
 ) -> DeepseekV3:
     """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
 
-    device="meta" builds shapes only: nothing is allocated and no weights are read."""
+    device="meta" or "fake" builds shapes only: nothing is allocated and no weights are read.
+    "fake" gives FakeTensors on the CPU (from one FakeTensorMode, `model.embed.weight.fake_mode`),
+    which torch.export traces like real weights."""
     if arch not in ARCHS:
         raise ConfigError(f"model.arch={arch!r} is not supported; choose one of {list(ARCHS)}.")
     if dtype not in DTYPES:
@@ -44,17 +48,18 @@ def build_model(
         model = DeepseekV3(cfg)
     if device == "meta":
         return model
-    weights = SafetensorsDir(Path(checkpoint)) if checkpoint is not None else None
-    for name, param in list(model.named_parameters()):
-        param_dtype = torch.float32 if name.endswith(DeepseekV3.FLOAT32_PARAMS) else DTYPES[dtype]
-        if weights is None:
-            tensor = torch.empty(param.shape, dtype=param_dtype)
-        else:
-            tensor = _checkpoint_tensor(weights, name, cfg, tuple(param.shape)).to(param_dtype)
-        set_parameter(model, name, tensor)
-    model.tie_weights()
-    init_buffers(model)
-    if weights is None:
+    weights = SafetensorsDir(Path(checkpoint)) if checkpoint is not None and device == "cpu" else None
+    with FakeTensorMode() if device == "fake" else nullcontext():
+        for name, param in list(model.named_parameters()):
+            param_dtype = torch.float32 if name.endswith(DeepseekV3.FLOAT32_PARAMS) else DTYPES[dtype]
+            if weights is None:
+                tensor = torch.empty(param.shape, dtype=param_dtype)
+            else:
+                tensor = _checkpoint_tensor(weights, name, cfg, tuple(param.shape)).to(param_dtype)
+            set_parameter(model, name, tensor)
+        model.tie_weights()
+        init_buffers(model)
+    if device == "cpu" and weights is None:
         init_random(model, seed)
     return model.eval().requires_grad_(False)
 

@@ -3,9 +3,10 @@
 The math follows HF transformers' `DeepseekV3ForCausalLM`: MLA attention over a compressed KV
 cache, dense SwiGLU MLPs for the first `first_k_dense_replace` layers, DeepSeekMoE after that.
 
-The model is a short Python driver (`prefill`, `decode`) over sub-modules that the compiler
-traces one KIND at a time: `embed`, `layers[i]` (dense or MoE), `head`. Every sub-module method
-takes plain tensors, so one traced graph serves every layer of its kind:
+The model is a short Python driver (`prefill`, `decode`) that only calls sub-modules: `embed`,
+`layers[i]` (kind dense or MoE), `head`. The compiler records that call sequence and traces each
+KIND once; every call takes plain tensors (weights and KV included), so one traced graph serves
+every layer of its kind:
 
     prefill(tokens [T], positions [T], write_slots [T], read_slot [1], last_index [1], kv) -> logits [1, V]
         one chunk of one sequence; attention covers the cached prefix plus the chunk (causal).
@@ -126,43 +127,33 @@ class MLAttention(nn.Module):
         self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, c.attention_bias)
 
-    def project_and_store(self, x, cos, sin, positions, write_slots, kv):
-        """Queries for x [T, D]; stores this step's latent + rope key at (write_slots, positions)."""
+    def forward(self, x, cos, sin, positions, write_slots, read_slots, kv):
+        """x [T, D] -> [T, D]. Stores this step's latent + rope key at (write_slots, positions), then
+        attends over the cached rows of read_slots: [1] (prefill: one sequence, shared by every
+        token) or [T] (decode: one sequence per row). Key j is visible to query t when
+        j <= positions[t]: the cached prefix plus causal attention inside the chunk."""
         T = x.shape[0]
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(T, self.n_heads, self.nope + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
+        q_nope, q_rope = q.view(T, self.n_heads, -1).split([self.nope, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
         q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleaved)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = apply_rope(k_rope, cos, sin, self.interleaved)  # [T, r]
         kv.index_put_((write_slots, positions), torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1))
-        return q_nope, q_rope
 
-    def attend(self, q_nope, q_rope, rows, positions):
-        """q [T, H, *] against cached rows [T, L, C] (one per query) or [L, C] (shared) -> [T, D].
-
-        Key j is visible to query t when j <= positions[t]: the cached prefix plus causal
-        attention inside the chunk, since this step's keys were stored before attending."""
+        rows = kv.index_select(0, read_slots)  # [1 or T, L, C]
+        cached_latent, cached_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [.., L, R], [.., L, r]
+        # Absorbed up-projections: attend in the latent space instead of expanding K and V.
         w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([self.nope, self.v_dim], dim=1)  # [H, n, R], [H, v, R]
-        latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [.., L, R], [.., L, r]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        scores = torch.matmul(q_latent, latent.mT) + torch.matmul(q_rope, k_rope.mT)  # [T, H, L]
-        key_positions = torch.arange(rows.shape[-2], device=rows.device)
+        scores = torch.matmul(q_latent, cached_latent.mT) + torch.matmul(q_rope, cached_rope.mT)  # [T, H, L]
+        key_positions = torch.arange(rows.shape[1], device=rows.device)
         visible = key_positions[None, :] <= positions[:, None]  # [T, L]
         scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        out_latent = torch.matmul(probs, latent)  # [T, H, R]
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
+        out_latent = torch.matmul(probs, cached_latent)  # [T, H, R]
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v]
         return self.o_proj(out.flatten(1))
-
-    def prefill(self, x, cos, sin, positions, write_slots, read_slot, kv):
-        q_nope, q_rope = self.project_and_store(x, cos, sin, positions, write_slots, kv)
-        return self.attend(q_nope, q_rope, kv.index_select(0, read_slot)[0], positions)  # rows [L, C]
-
-    def decode(self, x, cos, sin, positions, slots, kv):
-        q_nope, q_rope = self.project_and_store(x, cos, sin, positions, slots, kv)
-        return self.attend(q_nope, q_rope, kv.index_select(0, slots), positions)  # rows [B, L, C]
 
 
 class MLP(nn.Module):
@@ -267,12 +258,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
 
-    def prefill(self, h, cos, sin, positions, write_slots, read_slot, kv):
-        h = h + self.self_attn.prefill(self.input_layernorm(h), cos, sin, positions, write_slots, read_slot, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def decode(self, h, cos, sin, positions, slots, kv):
-        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, positions, slots, kv)
+    def forward(self, h, cos, sin, positions, write_slots, read_slots, kv):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, write_slots, read_slots, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -282,8 +269,11 @@ class LMHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = linear(config.hidden_size, config.vocab_size)
 
-    def forward(self, h):
-        return self.lm_head(self.norm(h)).float()  # [N, V]
+    def forward(self, h, last_index=None):
+        """h [T, D] -> logits [T, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
+        if last_index is not None:
+            h = h.index_select(0, last_index)
+        return self.lm_head(self.norm(h)).float()
 
 
 class DeepseekV3(nn.Module):
@@ -310,13 +300,13 @@ class DeepseekV3(nn.Module):
     def prefill(self, tokens, positions, write_slots, read_slot, last_index, kv):
         h, cos, sin = self.embed(tokens, positions)
         for layer, layer_kv in zip(self.layers, kv):
-            h = layer.prefill(h, cos, sin, positions, write_slots, read_slot, layer_kv)
-        return self.head(h.index_select(0, last_index))  # [1, V]
+            h = layer(h, cos, sin, positions, write_slots, read_slot, layer_kv)
+        return self.head(h, last_index)  # [1, V]
 
     def decode(self, tokens, positions, slots, kv):
         h, cos, sin = self.embed(tokens, positions)
         for layer, layer_kv in zip(self.layers, kv):
-            h = layer.decode(h, cos, sin, positions, slots, layer_kv)
+            h = layer(h, cos, sin, positions, slots, slots, layer_kv)
         return self.head(h)  # [B, V]
 
 

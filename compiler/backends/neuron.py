@@ -1,0 +1,35 @@
+"""AWS Neuron (Trainium/Inferentia): a region traced by torch-neuronx into a NEFF.
+
+Written against the documented `torch_neuronx.trace(module, example_inputs, compiler_args=...)`
+API; it cannot run where torch-neuronx and neuronx-cc are absent (PyPI holds placeholders only),
+and then says so instead of producing anything. `backend.options.compiler_args` is passed through
+to neuronx-cc (e.g. ["--target", "trn2", "-O2", "--lnc", "2"])."""
+
+import importlib.util
+
+import torch
+
+EXTENSION = "neff.pt"
+
+
+def unavailable():
+    missing = [name for name in ("torch_neuronx", "neuronxcc") if importlib.util.find_spec(name) is None]
+    if missing:
+        return (f"{' and '.join(missing)} not installed. The neuron backend needs torch-neuronx and neuronx-cc from "
+                "AWS's pip repository on a Neuron host; compile with --backend inductor or export elsewhere.")
+    return None
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {"torch-neuronx": version("torch-neuronx"), "neuronx-cc": version("neuronx-cc")}
+
+
+def compile(program, options: dict, out):
+    import torch_neuronx
+
+    from deepinfer.compiler.split import example_inputs
+
+    traced = torch_neuronx.trace(program.module(), example_inputs(program), compiler_args=options.get("compiler_args", []))
+    torch.jit.save(traced, str(out))

@@ -1,0 +1,166 @@
+"""recipe -> bundle: trace, split, fingerprint + dedup, compile unique regions, write the bundle.
+
+    from deepinfer.compiler.build import compile_recipe
+    summary = compile_recipe(load_recipe("recipes/tiny.yaml"), jobs=2)
+"""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer.models import build_model
+from deepinfer.runtime.errors import DeepinferError
+from deepinfer.runtime.manifest import KVSpec, Manifest, Program, Region, RegionCall, TensorSpec
+from deepinfer.runtime.versions import toolchain_versions
+
+from . import trace
+from .backends import backend_module
+from .bundle import write_bundle
+from .cache import CompileCache
+from .fingerprint import fingerprint
+from .pool import Job, JobResult, run_jobs
+from .recipe import Recipe
+from .split import export_region, input_values, output_values, split_unit
+
+
+class CompileFailed(DeepinferError):
+    def __init__(self, failures: list[JobResult]):
+        self.failures = failures
+        report = "\n\n".join(f.describe() for f in failures)
+        super().__init__(f"{len(failures)} region(s) failed to compile; no bundle was written.\n\n{report}\n\n"
+                         "Run `deepinfer-compile bisect RECIPE` to find the graph boundary that avoids the failure.")
+
+
+@dataclass
+class Plan:
+    """What a recipe compiles to, before any backend work."""
+
+    programs: dict[str, Program]
+    regions: dict[str, object]  # fingerprint -> region GraphModule (one per unique region)
+    toolchain: dict
+    weight_names: list[str]
+    kv: KVSpec
+    model_config: dict
+    units: dict = field(repr=False, default_factory=dict)
+
+
+@dataclass
+class Summary:
+    programs: int
+    steps: int
+    unique_regions: int
+    cache_hits: int
+    compiled: int
+    seconds: float
+    bundle: Path
+
+    def __str__(self) -> str:
+        return (f"{self.programs} programs, {self.steps} region calls in schedules, {self.unique_regions} unique regions "
+                f"({self.cache_hits} cache hits, {self.compiled} compiled), {self.seconds:.1f} s -> {self.bundle}")
+
+
+def _model(recipe: Recipe, device: str):
+    m = recipe.model
+    return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype, device=device)
+
+
+def plan(recipe: Recipe) -> Plan:
+    """Trace every (method, bucket) on fake weights, split, fingerprint, and lay out the schedules."""
+    model = _model(recipe, "fake")
+    toolchain = {**toolchain_versions(), **backend_module(recipe.backend).versions()}
+    programs, units = trace.trace_programs(model, recipe.buckets, recipe.kv["max_seqs"], recipe.kv["max_len"], recipe.split_layers)
+    split = {}
+    regions = {}
+    for key, unit in units.items():
+        unit_regions = split_unit(unit.program.graph_module, unit.module_path, recipe.boundaries)
+        fps = [fingerprint(r.graph_module, recipe.backend, recipe.backend_options, toolchain) for r in unit_regions.regions]
+        for fp, region in zip(fps, unit_regions.regions):
+            regions.setdefault(fp, region.graph_module)
+        split[key] = (unit_regions, fps)
+    schedules = {p.key: _schedule(p, split) for p in programs}
+    cfg = model.config
+    kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], cfg.num_hidden_layers,
+                [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
+    weight_names = sorted({w for p in programs for call in p.calls for w in call.weights})
+    return Plan(schedules, regions, toolchain, weight_names, kv, cfg.to_dict(), units)
+
+
+def _schedule(program: trace.TracedProgram, split: dict) -> Program:
+    steps = []
+    for call in program.calls:
+        unit_regions, fps = split[call.unit]
+        unit_inputs = call.weights + call.inputs  # lifted weights come first in an exported graph
+        final = {ref: call.outputs[k] for k, ref in enumerate(unit_regions.outputs)}
+        if any(ref[0] == "unit" for ref in final):
+            raise NotImplementedError(f"{call.unit}: a unit output that is one of its inputs")
+
+        def name(ref):
+            if ref[0] == "unit":
+                return unit_inputs[ref[1]]
+            return final.get(ref, f"{call.path or 'model'}#{ref[1]}.{ref[2]}")
+
+        for r, region in enumerate(unit_regions.regions):
+            outputs = [name(("region", r, j)) for j in range(region.n_outputs)]
+            steps.append(RegionCall(fps[r], [name(ref) for ref in region.inputs], outputs))
+    return Program(program.method, program.bucket, program.inputs, program.output, steps)
+
+
+def _spec(value: torch.Tensor) -> TensorSpec:
+    return TensorSpec(list(value.shape), str(value.dtype).removeprefix("torch."))
+
+
+def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: int, timeout: float,
+                    progress: bool) -> tuple[dict[str, Path], int]:
+    """Artifact per unique region, from the cache or from a worker; raises CompileFailed."""
+    backend = backend_module(recipe.backend)
+    artifacts, todo = {}, []
+    for fp, graph_module in the_plan.regions.items():
+        hit = cache.get(fp)
+        if hit is not None:
+            artifacts[fp] = hit
+            continue
+        work = cache.work_dir(fp)
+        torch.export.save(export_region(graph_module), work / "region.ep.pt2")
+        todo.append(Job(fp, work / "region.ep.pt2", work / f"{fp}.{backend.EXTENSION}", recipe.backend,
+                        recipe.backend_options, work / "compile.log"))
+    results = run_jobs(todo, jobs, timeout, progress)
+    failures = [r for r in results if not r.ok]
+    for result in results:
+        if result.ok:
+            artifacts[result.job.name] = cache.put(result.job.name, result.job.out_file,
+                                                   {"backend": recipe.backend, "seconds": round(result.seconds, 2)})
+    if failures:
+        raise CompileFailed(failures)
+    return artifacts, len(the_plan.regions) - len(todo)
+
+
+def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,
+                   progress: bool = True) -> Summary:
+    from deepinfer.runtime import knobs
+
+    start = time.perf_counter()
+    cache = CompileCache(cache_dir or knobs.cache_dir())
+    the_plan = plan(recipe)
+    artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress)
+
+    model = _model(recipe, "cpu")
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    weights = {name: tensors[name] for name in the_plan.weight_names}
+    checkpoint = recipe.model["checkpoint"]
+    tokenizer = Path(checkpoint) / "tokenizer.json" if checkpoint else None
+    tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
+    ext = backend_module(recipe.backend).EXTENSION
+    regions = {fp: Region(f"regions/{fp}.{ext}", recipe.backend, [_spec(v) for v in input_values(gm)],
+                          [_spec(v) for v in output_values(gm)]) for fp, gm in the_plan.regions.items()}
+    manifest = Manifest(
+        name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
+        parallel=recipe.parallel, buckets=recipe.buckets, kv=the_plan.kv, programs=the_plan.programs, regions=regions,
+        weight_files=["weights/rank-0.safetensors"], tokenizer="tokenizer.json" if tokenizer else None,
+        vocab_size=model.config.vocab_size, eos_token_id=model.config.eos_token_id,
+    )
+    write_bundle(recipe.output, manifest, artifacts, [weights], tokenizer)
+    steps = sum(len(p.steps) for p in the_plan.programs.values())
+    return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
+                   time.perf_counter() - start, recipe.output)

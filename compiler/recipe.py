@@ -1,0 +1,174 @@
+"""Recipes: which model, dtype, layout, methods and buckets, region policy, backend, KV pool, output.
+
+Every problem raises `RecipeError` naming the key (and its line in the YAML file), exit code 2.
+Relative paths (model.checkpoint, output) are taken from the current directory.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from deepinfer.runtime.errors import DeepinferError
+
+METHODS = ("prefill", "decode")
+
+
+class RecipeError(DeepinferError):
+    exit_code = 2
+
+
+@dataclass
+class Recipe:
+    name: str
+    model: dict  # arch, checkpoint | config, seed
+    dtype: str
+    parallel: dict  # world_size, tp, ep
+    buckets: dict[str, list[int]]  # method -> sorted buckets
+    kv: dict  # max_seqs, max_len
+    split_layers: bool
+    boundaries: list[dict]
+    backend: str
+    backend_options: dict
+    output: Path
+    raw: dict = field(repr=False, default_factory=dict)  # the recipe as written, for the manifest
+
+
+# key -> (type, default); a dict value is a nested section; REQUIRED marks keys without a default.
+REQUIRED = object()
+SCHEMA = {
+    "name": (str, REQUIRED),
+    "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0)},
+    "dtype": (str, "float32"),
+    "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1)},
+    "methods": {"decode": {"buckets": (list, REQUIRED)}, "prefill": {"buckets": (list, REQUIRED)}},
+    "kv": {"max_seqs": (int, REQUIRED), "max_len": (int, REQUIRED)},
+    "regions": {"split_layers": (bool, True), "boundaries": (list, [])},
+    "backend": {"name": (str, "inductor"), "options": (dict, {})},
+    "output": (str, None),
+}
+
+
+def load_recipe(path: str | Path, backend: str | None = None, output: str | Path | None = None) -> Recipe:
+    """Read and validate a recipe; `backend` and `output` override the file (command-line flags)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise RecipeError(f"{path}: cannot read the recipe ({err.strerror}).") from None
+    try:
+        raw = yaml.safe_load(text)
+        lines = _key_lines(yaml.compose(text))
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping of keys (name, model, methods, kv, ...).")
+
+    def fail(key: str, message: str):
+        line = lines.get(key)
+        where = f"{path}:{line}" if line else str(path)
+        raise RecipeError(f"{where}: {key}: {message}")
+
+    values = _validate(raw, SCHEMA, "", fail)
+    model = values["model"]
+    if (model["checkpoint"] is None) == (model["config"] is None):
+        fail("model", "give exactly one of model.checkpoint (an HF directory) or model.config (HF config fields).")
+    if model["checkpoint"] is not None:
+        checkpoint = Path(model["checkpoint"])
+        if not (checkpoint / "config.json").is_file():
+            fail("model.checkpoint", f"{checkpoint} is not a readable HF checkpoint directory (no config.json there).")
+    if values["dtype"] not in ("float32", "bfloat16"):
+        fail("dtype", f"{values['dtype']!r} is not supported; use float32 or bfloat16.")
+    buckets = {}
+    for method in METHODS:
+        key = f"methods.{method}.buckets"
+        listed = values["methods"][method]["buckets"]
+        if not listed:
+            fail(key, "is empty; give at least one bucket size.")
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in listed):
+            fail(key, f"{listed} must hold positive integers.")
+        if len(set(listed)) != len(listed):
+            fail(key, f"{listed} lists a bucket twice.")
+        buckets[method] = sorted(listed)
+    kv = values["kv"]
+    for name in ("max_seqs", "max_len"):
+        if kv[name] <= 0:
+            fail(f"kv.{name}", f"must be positive, not {kv[name]}.")
+    if buckets["decode"][-1] > kv["max_seqs"]:
+        fail("methods.decode.buckets", f"bucket {buckets['decode'][-1]} has more rows than kv.max_seqs={kv['max_seqs']} sequences.")
+    if buckets["prefill"][-1] > kv["max_len"]:
+        fail("methods.prefill.buckets", f"bucket {buckets['prefill'][-1]} is longer than kv.max_len={kv['max_len']} positions.")
+    for i, boundary in enumerate(values["regions"]["boundaries"]):
+        if not isinstance(boundary, dict) or not set(boundary) <= {"module", "op"} or "op" not in boundary:
+            fail(f"regions.boundaries[{i}]", "a boundary is {op: OP_PREFIX, module: MODULE_GLOB (optional)}, e.g. {op: aten.topk, module: 'layers.*.mlp.gate'}.")
+    backend_name = backend or values["backend"]["name"]
+    _check_backend(backend_name, lambda message: fail("backend.name", message))
+    return Recipe(
+        name=values["name"],
+        model=model,
+        dtype=values["dtype"],
+        parallel=values["parallel"],
+        buckets=buckets,
+        kv=kv,
+        split_layers=values["regions"]["split_layers"],
+        boundaries=values["regions"]["boundaries"],
+        backend=backend_name,
+        backend_options=values["backend"]["options"],
+        output=Path(output or values["output"] or f"artifacts/{values['name']}"),
+        raw=raw,
+    )
+
+
+def _check_backend(name: str, fail):
+    from .backends import BACKENDS, backend_module
+
+    if name not in BACKENDS:
+        fail(f"unknown backend {name!r}; choose one of {list(BACKENDS)}.")
+    problem = backend_module(name).unavailable()
+    if problem:
+        fail(f"backend {name!r} is not available here: {problem}")
+
+
+def _validate(raw: dict, schema: dict, prefix: str, fail) -> dict:
+    """Check keys and types of one mapping against its schema; returns values with defaults."""
+    for key in raw:
+        if key not in schema:
+            fail(prefix + str(key), f"unknown key; expected one of {sorted(schema)}.")
+    out = {}
+    for key, spec in schema.items():
+        dotted = prefix + key
+        if isinstance(spec, dict):
+            section = raw.get(key, {})
+            if section is None:
+                section = {}
+            if not isinstance(section, dict):
+                fail(dotted, f"must be a mapping with keys {sorted(spec)}, not {type(section).__name__}.")
+            out[key] = _validate(section, spec, dotted + ".", fail)
+            continue
+        kind, default = spec
+        if key not in raw or raw[key] is None:
+            if default is REQUIRED:
+                fail(dotted, "is required.")
+            out[key] = default
+            continue
+        value = raw[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            fail(dotted, f"must be {kind.__name__}, not {type(value).__name__} ({value!r}).")
+        out[key] = value
+    return out
+
+
+def _key_lines(node, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line, from the YAML node tree."""
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            dotted = prefix + str(key_node.value)
+            lines[dotted] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, dotted + "."))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            dotted = f"{prefix[:-1]}[{i}]"
+            lines[dotted] = item.start_mark.line + 1
+            lines.update(_key_lines(item, dotted + "."))
+    return lines

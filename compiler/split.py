@@ -1,0 +1,125 @@
+"""Splitting a traced unit into regions: at collective ops and at the recipe's forced boundaries.
+
+A boundary is `{op: PREFIX, module: GLOB}`: a new region starts before every node whose target
+(`aten.topk.default`) starts with PREFIX and, when given, whose module path matches GLOB. Module
+paths are model paths with a layer kind's index as `*` (`layers.*.mlp.gate`), so a boundary
+survives a re-trace and applies to every layer of the kind.
+
+Each region is a standalone GraphModule whose inputs are the live values crossing into it.
+`torch.fx.passes.split_module` does the cutting with keep_original_order=True, which keeps the
+in-place KV store ahead of the reads that follow it.
+"""
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+
+
+@dataclass
+class RegionGraph:
+    graph_module: fx.GraphModule  # returns a tuple
+    inputs: list[tuple]  # per input: ("unit", i) a unit input, or ("region", r, j) output j of region r
+    n_outputs: int
+
+
+@dataclass
+class UnitRegions:
+    regions: list[RegionGraph]
+    outputs: list[tuple]  # per unit output: ("region", r, j) or ("unit", i)
+
+
+def module_path(node: fx.Node, unit_path: str) -> str:
+    """'layers.*.mlp.gate' for a node traced inside `m.mlp.gate` of a unit at 'layers.*'."""
+    stack = node.meta.get("nn_module_stack") or {}
+    inner = list(stack.values())[-1][0] if stack else ""
+    inner = inner.removeprefix("m").removeprefix(".")
+    return ".".join(p for p in (unit_path, inner) if p)
+
+
+def matches(node: fx.Node, boundary: dict, unit_path: str) -> bool:
+    if node.op != "call_function" or not str(node.target).startswith(boundary["op"]):
+        return False
+    return "module" not in boundary or fnmatchcase(module_path(node, unit_path), boundary["module"])
+
+
+def split_unit(graph_module: fx.GraphModule, unit_path: str, boundaries: list[dict]) -> UnitRegions:
+    partition, has_compute = 0, False
+    partition_of = {}
+    for node in graph_module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if has_compute and any(matches(node, b, unit_path) for b in boundaries):
+            partition, has_compute = partition + 1, False
+        partition_of[node] = partition
+        has_compute = has_compute or node.op == "call_function"
+
+    split = split_module(graph_module, None, lambda node: partition_of[node], keep_original_order=True)
+    placeholders = {node: i for i, node in enumerate(n for n in split.graph.nodes if n.op == "placeholder")}
+    region_of = {}  # call_module node -> region index
+    regions = []
+
+    def ref(arg) -> tuple:
+        if arg in placeholders:
+            return ("unit", placeholders[arg])
+        if arg in region_of:
+            return ("region", region_of[arg], 0)
+        if arg.op == "call_function" and arg.args[0] in region_of:  # getitem(submod, j)
+            return ("region", region_of[arg.args[0]], arg.args[1])
+        raise AssertionError(f"unexpected value {arg} between regions")
+
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            submodule = getattr(split, node.target)
+            n_outputs = _outputs_as_tuple(submodule)
+            regions.append(RegionGraph(submodule, [ref(a) for a in node.args], n_outputs))
+            region_of[node] = len(regions) - 1
+    (returned,) = split.graph.output_node().args
+    outputs = [ref(a) for a in (returned if isinstance(returned, (tuple, list)) else [returned])]
+    return UnitRegions(regions, outputs)
+
+
+def _outputs_as_tuple(graph_module: fx.GraphModule) -> int:
+    """Make the region return a tuple even for one output, so every backend sees the same calling
+    convention; returns the number of outputs."""
+    output = graph_module.graph.output_node()
+    (returned,) = output.args
+    if not isinstance(returned, (tuple, list)):
+        output.args = ((returned,),)
+        graph_module.recompile()
+        return 1
+    return len(returned)
+
+
+class _RegionModule(nn.Module):
+    def __init__(self, graph_module: fx.GraphModule):
+        super().__init__()
+        self.graph_module = graph_module
+
+    def forward(self, *args):
+        return tuple(self.graph_module(*args))
+
+
+def input_values(graph_module: fx.GraphModule) -> list:
+    """The fake tensors recorded on the region's placeholders."""
+    return [n.meta["val"] for n in graph_module.graph.nodes if n.op == "placeholder"]
+
+
+def output_values(graph_module: fx.GraphModule) -> list:
+    (returned,) = graph_module.graph.output_node().args
+    return [n.meta["val"] for n in returned]
+
+
+def export_region(graph_module: fx.GraphModule) -> torch.export.ExportedProgram:
+    """The region as a standalone ExportedProgram with no weights inside (all are inputs)."""
+    program = torch.export.export(_RegionModule(graph_module), tuple(input_values(graph_module)), strict=False)
+    program._example_inputs = None  # fake tensors: not serializable, and no backend needs them
+    return program
+
+
+def example_inputs(program: torch.export.ExportedProgram) -> tuple:
+    """Zero tensors with the region's input shapes, for backends that trace with real inputs."""
+    specs = [n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"]
+    return tuple(torch.zeros(v.shape, dtype=v.dtype) for v in specs)

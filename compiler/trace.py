@@ -1,0 +1,155 @@
+"""Tracing: one torch.export per distinct (unit kind, method, bucket), weights lifted to inputs.
+
+The model's `prefill`/`decode` are drivers that only call sub-modules (`embed`, `layers[i]`,
+`head`). We run each driver once on fake tensors with forward hooks on those sub-modules, which
+records the program — the call sequence with each call's inputs and outputs by name — and gives
+every call's example inputs. A unit KIND (e.g. `layer.moe`) is exported the first time it is
+called; later calls of the same kind reuse that graph with their own weight and KV bindings.
+With `split_layers: false` the whole method is one unit instead.
+
+Value names: the Step fields (`tokens`, `positions`, `slots`, `read_slot`, `last_index`),
+`kv.<layer>`, weights by their model name, and `<call path>:<output index>` for call outputs.
+"""
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+STEP_INPUTS = {
+    "prefill": ("tokens", "positions", "slots", "read_slot", "last_index"),
+    "decode": ("tokens", "positions", "slots"),
+}
+
+
+@dataclass
+class Unit:
+    key: str  # "<kind>/<method>/<bucket>", e.g. "layer.moe/decode/4"
+    module_path: str  # where its nodes live in the model, "layers.*" for a layer kind
+    program: torch.export.ExportedProgram
+    weight_names: list[str]  # lifted parameter/buffer targets, relative to the unit's module
+
+
+@dataclass
+class UnitCall:
+    unit: str  # Unit.key
+    path: str  # the called module's path in the model, e.g. "layers.3" ("" for a whole method)
+    inputs: list[str]  # names of its (flattened) tensor inputs
+    outputs: list[str]
+    weights: list[str]  # model weight names bound to the unit's lifted inputs, in order
+
+
+@dataclass
+class TracedProgram:
+    method: str
+    bucket: int
+    inputs: list[str]
+    output: str
+    calls: list[UnitCall] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}/{self.bucket}"
+
+
+class _Call(nn.Module):
+    """Exports `module(*args)` (or `module.<method>(*args, kv_list)`) with the module's weights lifted."""
+
+    def __init__(self, module: nn.Module, method: str | None = None, n_inputs: int = 0):
+        super().__init__()
+        self.m, self.method, self.n_inputs = module, method, n_inputs
+
+    def forward(self, *args):
+        if self.method is None:
+            return self.m(*args)
+        return getattr(self.m, self.method)(*args[: self.n_inputs], list(args[self.n_inputs :]))
+
+
+def example_step_inputs(method: str, bucket: int) -> list[torch.Tensor]:
+    """Step inputs of one (method, bucket), in STEP_INPUTS order (int64 index tensors)."""
+    sizes = {"tokens": bucket, "positions": bucket, "slots": bucket, "read_slot": 1, "last_index": 1}
+    return [torch.zeros(sizes[name], dtype=torch.int64) for name in STEP_INPUTS[method]]
+
+
+def trace_programs(model: nn.Module, buckets: dict[str, list[int]], max_seqs: int, max_len: int,
+                   split_layers: bool = True) -> tuple[list[TracedProgram], dict[str, Unit]]:
+    """Trace every (method, bucket) of a model whose weights are fake tensors."""
+    fake_mode = model.embed.weight.fake_mode
+    canonical = _canonical_names(model)
+    units: dict[str, Unit] = {}
+    programs = []
+    with fake_mode:
+        kv = model.new_kv_cache(max_seqs, max_len)
+        for method, sizes in buckets.items():
+            for bucket in sizes:
+                inputs = example_step_inputs(method, bucket)
+                if split_layers:
+                    program = _record_driver(model, method, bucket, inputs, kv, units, canonical)
+                else:
+                    program = _whole_method(model, method, bucket, inputs, kv, units, canonical)
+                programs.append(program)
+    return programs, units
+
+
+def _record_driver(model, method, bucket, inputs, kv, units, canonical) -> TracedProgram:
+    paths = {model.embed: "embed", model.head: "head", **{layer: f"layers.{i}" for i, layer in enumerate(model.layers)}}
+    recorded = []  # (module, args, outputs) in call order
+    handles = [m.register_forward_hook(lambda m, a, o: recorded.append((m, a, o if isinstance(o, tuple) else (o,))))
+               for m in paths]
+    try:
+        result = getattr(model, method)(*inputs, kv)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    names = {id(t): n for n, t in zip(STEP_INPUTS[method], inputs)}
+    names.update({id(t): f"kv.{i}" for i, t in enumerate(kv)})
+    program = TracedProgram(method, bucket, list(STEP_INPUTS[method]), output="")
+    for module, args, outputs in recorded:
+        path = paths[module]
+        kind = f"layer.{module.kind}" if path.startswith("layers.") else path
+        key = f"{kind}/{method}/{bucket}"
+        if any(id(a) not in names for a in args):
+            raise RuntimeError(f"{type(model).__name__}.{method}: {path} got a tensor no sub-module produced; "
+                               "the driver must only call sub-modules (embed, layers, head).")
+        if key not in units:
+            units[key] = _export(_Call(module), args, key, re.sub(r"\.\d+$", ".*", path))
+        out_names = [f"{path}:{j}" for j in range(len(outputs))]
+        names.update({id(t): n for t, n in zip(outputs, out_names)})
+        weights = [canonical[id(_tensor(module, w))] for w in units[key].weight_names]
+        program.calls.append(UnitCall(key, path, [names[id(a)] for a in args], out_names, weights))
+    program.output = names[id(result)]
+    return program
+
+
+def _whole_method(model, method, bucket, inputs, kv, units, canonical) -> TracedProgram:
+    key = f"model/{method}/{bucket}"
+    units[key] = _export(_Call(model, method, len(inputs)), (*inputs, *kv), key, "")
+    weights = [canonical[id(_tensor(model, w))] for w in units[key].weight_names]
+    arg_names = list(STEP_INPUTS[method]) + [f"kv.{i}" for i in range(len(kv))]
+    call = UnitCall(key, "", arg_names, ["model:0"], weights)
+    return TracedProgram(method, bucket, list(STEP_INPUTS[method]), "model:0", [call])
+
+
+def _export(wrapper: _Call, args, key: str, module_path: str) -> Unit:
+    program = torch.export.export(wrapper, tuple(args), strict=False)
+    weight_names = [spec.target.removeprefix("m.") for spec in program.graph_signature.input_specs
+                    if spec.kind.name in ("PARAMETER", "BUFFER")]
+    if any(spec.kind.name not in ("PARAMETER", "BUFFER", "USER_INPUT") for spec in program.graph_signature.input_specs):
+        raise RuntimeError(f"{key}: the traced graph lifted a constant tensor; make it a buffer so it binds as a weight.")
+    return Unit(key, module_path, program, weight_names)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` (dotted) of module."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner), leaf)
+
+
+def _canonical_names(model: nn.Module) -> dict[int, str]:
+    """Tensor id -> the one name it is stored under (tied weights share a name)."""
+    names = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        names.setdefault(id(tensor), name)
+    return names

@@ -1,0 +1,60 @@
+"""Compile one region in its own process, so a crashing or hanging backend takes only itself down.
+
+    python -m deepinfer.compiler.worker REGION.ep.pt2 OUT --backend inductor --options '{}'
+
+Exit 0 with OUT written (atomically), or non-zero with the backend's own error on stderr.
+
+`options.inject_fault: {ops: [PREFIX, ...], action: segfault|hang|error}` is a TESTING AID for
+the failure paths (reports, bisect): the worker fails when the region holds, for EVERY prefix, a
+node whose target starts with it. Production recipes never need it.
+"""
+
+import ctypes
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from .backends import backend_module
+
+INJECTED_ERROR_EXIT = 3
+
+
+def inject_fault(program: torch.export.ExportedProgram, fault: dict):
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    if not all(any(t.startswith(prefix) for t in targets) for prefix in fault["ops"]):
+        return
+    action = fault.get("action", "error")
+    if action == "segfault":
+        sys.stderr.flush()
+        ctypes.string_at(0)  # a real SIGSEGV in this process
+    elif action == "hang":
+        while True:
+            time.sleep(60)
+    print(f"error: NCC_INJ001: injected compiler fault on ops {fault['ops']}", file=sys.stderr)
+    sys.exit(INJECTED_ERROR_EXIT)
+
+
+@click.command()
+@click.argument("region", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--backend", required=True)
+@click.option("--options", "options_json", default="{}")
+def main(region, out, backend, options_json):
+    options = json.loads(options_json)
+    fault = options.pop("inject_fault", None)
+    program = torch.export.load(region)
+    if fault:
+        inject_fault(program, fault)
+    out = Path(out)
+    partial = out.with_name(f".partial-{os.getpid()}-{out.name}")  # keeps the extension backends check
+    backend_module(backend).compile(program, options, partial)
+    os.replace(partial, out)
+
+
+if __name__ == "__main__":
+    main()

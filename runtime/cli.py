@@ -1,0 +1,81 @@
+"""deepinfer-run: load a bundle and generate.
+
+    deepinfer-run --bundle artifacts/tiny --prompt "hello"
+    deepinfer-run --bundle artifacts/tiny --prompt-ids 1,2,3 --prompt "hi" --max-tokens 16 --json
+    deepinfer-run --bundle artifacts/tiny --prompt "hello" --temperature 0.8 --top-p 0.9 --seed 1
+
+Prints each prompt's continuation, or with --json one object:
+    {"results": [{"prompt_ids", "token_ids", "text", "finish_reason"}...], "timing": {"ttft", "tpot", ...}}
+"""
+
+import json
+import sys
+import time
+
+import click
+
+from .engine import Engine, Request
+from .errors import DeepinferError
+from .sampling import SamplingParams
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give comma-separated token ids, e.g. 1,2,3", param_hint="--prompt-ids") from None
+
+
+@click.command()
+@click.option("--bundle", required=True, type=click.Path(file_okay=False), help="bundle directory from deepinfer-compile")
+@click.option("--prompt", "prompts", multiple=True, help="prompt text (repeatable)")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="prompt as token ids, e.g. 1,2,3 (repeatable)")
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="sampling seed")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_json):
+    """Generate from a compiled bundle."""
+    from . import knobs
+    from .executor import BundleExecutor
+    from .tokenizer import load_tokenizer
+
+    if not prompts and not prompt_ids:
+        raise click.UsageError("give at least one --prompt or --prompt-ids")
+    try:
+        load_start = time.perf_counter()
+        executor = BundleExecutor(bundle)
+        m = executor.manifest
+        tokenizer = load_tokenizer(executor.bundle if m.tokenizer else None, m.vocab_size)
+        load_seconds = time.perf_counter() - load_start
+        engine = Engine(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id)
+        sampling = SamplingParams(temperature, top_p, seed)
+        all_ids = [tokenizer.encode(p) for p in prompts] + [parse_ids(p) for p in prompt_ids]
+        results = engine.generate([Request(ids, max_tokens, sampling) for ids in all_ids])
+    except DeepinferError as err:
+        click.echo(f"deepinfer-run: {err}", err=True)
+        sys.exit(err.exit_code)
+
+    texts = [tokenizer.decode(r.token_ids) for r in results]
+    if executor.trace_events is not None:
+        executor.write_trace(knobs.region_trace_path())
+    if as_json:
+        timing = {
+            "load": load_seconds,
+            "ttft": sum(r.ttft for r in results) / len(results),
+            "tpot": sum(r.tpot for r in results) / len(results),
+        }
+        if executor.host_seconds is not None:
+            timing["host_region_seconds"] = executor.host_seconds
+        out = [{"prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "text": t, "finish_reason": r.finish_reason}
+               for r, t in zip(results, texts)]
+        click.echo(json.dumps({"results": out, "timing": timing}))
+        return
+    labels = list(prompts) + [f"ids {p}" for p in prompt_ids]
+    for label, result, text in zip(labels, results, texts):
+        click.echo(f"{label!r} -> {text!r}  [{len(result.token_ids)} tokens, {result.finish_reason}]")
+
+
+if __name__ == "__main__":
+    main()

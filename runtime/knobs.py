@@ -1,0 +1,28 @@
+"""Every DEEPINFER_* environment variable, read in this one place (each is listed in the README)."""
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def host_timing() -> bool:
+    """DEEPINFER_HOST_TIMING=1: add the host seconds spent in each region to --json's timing."""
+    return _flag("DEEPINFER_HOST_TIMING")
+
+
+def region_trace_path() -> Path | None:
+    """DEEPINFER_REGION_TIMING=1 (or =PATH): write a Chrome-trace JSON of region calls (Perfetto)."""
+    value = os.environ.get("DEEPINFER_REGION_TIMING", "")
+    if value in ("", "0"):
+        return None
+    return Path("deepinfer-region-trace.json" if value == "1" else value)
+
+
+def cache_dir() -> Path:
+    """DEEPINFER_CACHE_DIR: the compile cache (default: $XDG_CACHE_HOME/deepinfer or ~/.cache/deepinfer)."""
+    if os.environ.get("DEEPINFER_CACHE_DIR"):
+        return Path(os.environ["DEEPINFER_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"

@@ -1,0 +1,14 @@
+"""The toolchain a bundle is tied to: stamped by the compiler, checked by every rank at load."""
+
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+
+def toolchain_versions() -> dict:
+    try:
+        ours = version("deepinfer")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {"torch": torch.__version__, "python": platform.python_version(), "deepinfer": ours}

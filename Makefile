@@ -1,4 +1,4 @@
-# make demo   set up, then generate text with the built-in tiny model
+# make demo   set up, compile the tiny recipe with AOTInductor, generate from the bundle
 # make test   set up, then run the whole suite
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m deepinfer.compiler.eager --prompt "Hello, DeepSeek!" --prompt "Static graphs"
+	$(VENV)/bin/deepinfer-compile recipes/tiny.yaml
+	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny --prompt "Hello, DeepSeek!" --max-tokens 24
 
 test: setup
 	$(PY) -m pytest -q

@@ -11,4 +11,5 @@ def toolchain_versions() -> dict:
         ours = version("deepinfer")
     except PackageNotFoundError:
         ours = "unknown"
-    return {"torch": torch.__version__, "python": platform.python_version(), "deepinfer": ours}
+    python = ".".join(platform.python_version_tuple()[:2])
+    return {"torch": torch.__version__, "python": python, "deepinfer": ours}

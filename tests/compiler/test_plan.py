@@ -1,0 +1,86 @@
+"""What a recipe compiles to, before any backend work: programs, schedules, unique regions."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from deepinfer.compiler.build import plan
+from deepinfer.compiler.recipe import load_recipe
+from tests.conftest import TINY_RECIPE, write_recipe
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_regions.json"
+
+
+def tiny_config(**changes) -> dict:
+    return {**yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"], **changes}
+
+
+def summarize(the_plan) -> dict:
+    return {
+        "unique_regions": len(the_plan.regions),
+        "programs": {key: [step.region for step in p.steps] for key, p in sorted(the_plan.programs.items())},
+    }
+
+
+def test_identical_layers_share_regions(tmp_path):
+    """Dedup must not break on a per-layer constant: 8 layers compile exactly what 3 layers do."""
+    three = plan(load_recipe(write_recipe(tmp_path, "three", model={"config": tiny_config(num_hidden_layers=3)})))
+    eight = plan(load_recipe(write_recipe(tmp_path, "eight", model={"config": tiny_config(num_hidden_layers=8)})))
+    assert set(eight.regions) == set(three.regions)
+    assert len(eight.regions) == 4 * 4  # (embed, dense layer, MoE layer, head) x 4 programs
+    decode = eight.programs["decode/4"]
+    assert len(decode.steps) == 1 + 8 + 1
+    moe_region = decode.steps[2].region
+    assert all(step.region == moe_region for step in decode.steps[2:-1])
+    # ...bound to each layer's own weights and KV cache.
+    kv_inputs = [next(n for n in step.inputs if n.startswith("kv.")) for step in decode.steps[1:-1]]
+    assert kv_inputs == [f"kv.{i}" for i in range(8)]
+    assert "layers.7.mlp.experts_gate_up" in decode.steps[8].inputs
+
+
+def test_whole_graph_units_and_forced_boundaries(tmp_path):
+    whole = plan(load_recipe(write_recipe(tmp_path, "whole", regions={"split_layers": False})))
+    assert all(len(p.steps) == 1 for p in whole.programs.values()) and len(whole.regions) == 4
+    split = plan(load_recipe(write_recipe(
+        tmp_path, "split", regions={"boundaries": [{"op": "aten.sigmoid", "module": "layers.*.mlp.gate"}]})))
+    # The router's sigmoid starts a new region, in MoE layers only.
+    decode = split.programs["decode/4"].steps
+    assert len(decode) == 1 + 1 + 2 * 2 + 1
+    assert len(split.regions) == 4 * 5
+
+
+def test_golden_tiny_regions():
+    """Pins what the tiny recipe compiles. When a change to the model or compiler is meant to change
+    it, regenerate with `python -m tests.compiler.test_plan` and review the diff."""
+    current = summarize(plan(load_recipe(TINY_RECIPE)))
+    golden = json.loads(GOLDEN.read_text())
+    assert current == golden, "region fingerprints changed; see this test's docstring"
+
+
+def test_full_size_deepseek_v3_traces_on_fake_weights(tmp_path):
+    """The real 671B config (hidden 7168, 61 layers, 256 experts) traces with no weights at all.
+    Run in a fresh process so its peak memory is its own."""
+    recipe = write_recipe(tmp_path, "v3_671b", model={"config": {}, "seed": 0}, dtype="bfloat16",
+                          methods={"decode": {"buckets": [8]}, "prefill": {"buckets": [128]}},
+                          kv={"max_seqs": 8, "max_len": 4096})
+    script = ("import json, resource, time, sys\n"
+              "from deepinfer.compiler.build import plan\nfrom deepinfer.compiler.recipe import load_recipe\n"
+              "t = time.perf_counter(); p = plan(load_recipe(sys.argv[1]))\n"
+              "print(json.dumps({'seconds': time.perf_counter() - t, 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,"
+              " 'regions': len(p.regions), 'steps': {k: len(v.steps) for k, v in p.programs.items()}}))\n")
+    run = subprocess.run([sys.executable, "-c", script, str(recipe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    print(f"671B trace at world size 1: {report}")
+    assert report["steps"] == {"decode/8": 63, "prefill/128": 63}  # embed + 61 layers + head
+    assert report["regions"] == 8
+    assert report["peak_rss_mb"] < 4000  # no weights materialized (the bf16 weights alone are ~1.3 TB)
+
+
+if __name__ == "__main__":
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(summarize(plan(load_recipe(TINY_RECIPE))), indent=1) + "\n")
+    print(f"wrote {GOLDEN}")

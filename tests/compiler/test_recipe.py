@@ -1,0 +1,69 @@
+"""Recipe validation: each problem names the key and its line, and the CLI exits 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from deepinfer.compiler.recipe import RecipeError, load_recipe
+from tests.conftest import TINY_RECIPE, write_recipe
+
+
+def test_tiny_recipe_loads():
+    recipe = load_recipe(TINY_RECIPE)
+    assert recipe.buckets == {"prefill": [16, 64], "decode": [1, 4]} and recipe.backend == "inductor"
+
+
+BASE = """name: x
+model: {config: {}}
+methods:
+  decode: {buckets: [1]}
+  prefill: {buckets: [8]}
+kv: {max_seqs: 2, max_len: 16}
+backend: {name: export}
+"""
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("backend:", "modle: {}\nbackend:", r":7: modle: unknown key"),
+        ("max_seqs: 2", "max_seqs: four", r":6: kv.max_seqs: must be int, not str"),
+        ("{config: {}}", "\n  config: {}\n  seed: true", r":4: model.seed: must be int, not bool"),
+        ("buckets: [1]", "buckets: []", r":4: methods.decode.buckets: is empty"),
+        ("{config: {}}", "{checkpoint: /nonexistent/ckpt}", r":2: model.checkpoint: /nonexistent/ckpt is not a readable HF checkpoint"),
+        ("kv: {max_seqs: 2, max_len: 16}", "", r"kv.max_seqs: is required"),
+    ],
+)
+def test_bad_recipes_name_key_and_line(tmp_path, old, new, message):
+    path = tmp_path / "bad.yaml"
+    assert old in BASE
+    path.write_text(BASE.replace(old, new))
+    with pytest.raises(RecipeError, match=message) as err:
+        load_recipe(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"methods": {"decode": {"buckets": [1, 8]}}}, r"methods.decode.buckets: bucket 8 has more rows than kv.max_seqs=4"),
+        ({"methods": {"prefill": {"buckets": [512]}}}, r"methods.prefill.buckets: bucket 512 is longer than kv.max_len=256"),
+        ({"backend": {"name": "neuron"}}, r"backend.name: backend 'neuron' is not available here: torch_neuronx"),
+        ({"backend": {"name": "tensorrt"}}, r"backend.name: unknown backend 'tensorrt'"),
+        ({"dtype": "float16"}, r"dtype: 'float16' is not supported"),
+        ({"regions": {"boundaries": [{"module": "layers.*"}]}}, r"regions.boundaries\[0\]: a boundary is"),
+    ],
+)
+def test_invalid_values(tmp_path, changes, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(write_recipe(tmp_path, **changes))
+
+
+def test_missing_recipe_file_and_cli_exit_code(tmp_path):
+    with pytest.raises(RecipeError, match="cannot read the recipe"):
+        load_recipe(tmp_path / "nope.yaml")
+    path = write_recipe(tmp_path, backend={"name": "neuron"})
+    run = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", str(path)], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "backend.name" in run.stderr and "neuron" in run.stderr and "Traceback" not in run.stderr

@@ -1,0 +1,57 @@
+"""deepinfer-run as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+
+def run(*args, env=None):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_json_output_with_text_and_id_prompts(tiny_bundle, tmp_path):
+    bundle = str(tiny_bundle("inductor"))
+    trace = tmp_path / "trace.json"
+    out = run("--bundle", bundle, "--prompt", "hello", "--prompt-ids", "5,6,7", "--max-tokens", "5", "--json",
+              env={"DEEPINFER_HOST_TIMING": "1", "DEEPINFER_REGION_TIMING": str(trace)})
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    first, second = body["results"]
+    assert first["prompt_ids"] == [b + 2 for b in b"hello"] and second["prompt_ids"] == [5, 6, 7]
+    assert all(len(r["token_ids"]) <= 5 and isinstance(r["text"], str) for r in body["results"])
+    timing = body["timing"]
+    assert timing["ttft"] > 0 and timing["tpot"] > 0 and len(timing["host_region_seconds"]) >= 4
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert events and {"name", "ph", "ts", "dur"} <= set(events[0])
+
+
+def test_sampling_is_reproducible_and_differs_from_greedy(tiny_bundle):
+    bundle = str(tiny_bundle("inductor"))
+    args = ("--bundle", bundle, "--prompt-ids", "5,6,7", "--max-tokens", "12", "--json")
+    greedy = json.loads(run(*args).stdout)["results"][0]["token_ids"]
+    sampled = [json.loads(run(*args, "--temperature", "1.5", "--top-p", "0.95", "--seed", "3").stdout)["results"][0]["token_ids"]
+               for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0] != greedy
+
+
+def test_prompt_past_context_limit_is_a_clear_error(tiny_bundle):
+    ids = ",".join(["5"] * 300)
+    out = run("--bundle", str(tiny_bundle("inductor")), "--prompt-ids", ids)
+    assert out.returncode == 1
+    assert "300 tokens is past the context limit" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_tampered_bundle_is_refused(tiny_bundle, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle("inductor"), bundle)
+    region = sorted((bundle / "regions").iterdir())[0]
+    data = bytearray(region.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    region.write_bytes(bytes(data))
+    out = run("--bundle", str(bundle), "--prompt", "hi")
+    assert out.returncode == 1 and "checksum mismatch" in out.stderr and region.name in out.stderr

@@ -40,6 +40,7 @@ class Plan:
     programs: dict[str, Program]
     regions: dict[str, object]  # fingerprint -> region GraphModule (one per unique region)
     toolchain: dict
+    backend_options: dict  # the backend's defaults merged with the recipe's
     weight_names: list[str]
     kv: KVSpec
     model_config: dict
@@ -69,13 +70,15 @@ def _model(recipe: Recipe, device: str):
 def plan(recipe: Recipe) -> Plan:
     """Trace every (method, bucket) on fake weights, split, fingerprint, and lay out the schedules."""
     model = _model(recipe, "fake")
-    toolchain = {**toolchain_versions(), **backend_module(recipe.backend).versions()}
+    backend = backend_module(recipe.backend)
+    toolchain = {**toolchain_versions(), **backend.versions()}
+    options = backend.options(recipe.backend_options)
     programs, units = trace.trace_programs(model, recipe.buckets, recipe.kv["max_seqs"], recipe.kv["max_len"], recipe.split_layers)
     split = {}
     regions = {}
     for key, unit in units.items():
         unit_regions = split_unit(unit.program.graph_module, unit.module_path, recipe.boundaries)
-        fps = [fingerprint(r.graph_module, recipe.backend, recipe.backend_options, toolchain) for r in unit_regions.regions]
+        fps = [fingerprint(r.graph_module, recipe.backend, options, toolchain) for r in unit_regions.regions]
         for fp, region in zip(fps, unit_regions.regions):
             regions.setdefault(fp, region.graph_module)
         split[key] = (unit_regions, fps)
@@ -84,7 +87,7 @@ def plan(recipe: Recipe) -> Plan:
     kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], cfg.num_hidden_layers,
                 [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
     weight_names = sorted({w for p in programs for call in p.calls for w in call.weights})
-    return Plan(schedules, regions, toolchain, weight_names, kv, cfg.to_dict(), units)
+    return Plan(schedules, regions, toolchain, options, weight_names, kv, cfg.to_dict(), units)
 
 
 def _schedule(program: trace.TracedProgram, split: dict) -> Program:
@@ -124,7 +127,7 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
         work = cache.work_dir(fp)
         torch.export.save(export_region(graph_module), work / "region.ep.pt2")
         todo.append(Job(fp, work / "region.ep.pt2", work / f"{fp}.{backend.EXTENSION}", recipe.backend,
-                        recipe.backend_options, work / "compile.log"))
+                        the_plan.backend_options, work / "compile.log"))
     results = run_jobs(todo, jobs, timeout, progress)
     failures = [r for r in results if not r.ok]
     for result in results:

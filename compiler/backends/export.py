@@ -13,6 +13,10 @@ def versions() -> dict:
     return {}
 
 
+def options(user: dict) -> dict:
+    return dict(user)
+
+
 def compile(program, options: dict, out):
     if options:
         raise ValueError(f"the export backend takes no options, got {sorted(options)}")

@@ -26,6 +26,10 @@ def versions() -> dict:
     return {"torch-neuronx": version("torch-neuronx"), "neuronx-cc": version("neuronx-cc")}
 
 
+def options(user: dict) -> dict:
+    return dict(user)
+
+
 def compile(program, options: dict, out):
     import torch_neuronx
 

@@ -1,0 +1,157 @@
+"""Decode speed of a compiled bundle against the eager paths, side by side, on the same weights.
+
+    .venv/bin/python bench/decode_bench.py                  # tiny and ~100M configs (a few minutes cold)
+    .venv/bin/python bench/decode_bench.py --configs tiny   # just the tiny one
+
+For each config it saves random weights as an HF checkpoint, compiles bundles from it (regions
+split per layer, and one whole graph per program), and prints per-token decode latency (batch 1,
+median over steps at positions 32..) for: the inductor bundle, the whole-graph bundle, our eager
+model, HF transformers eager, and torch.compile of our eager model; then the ratios the targets
+are stated in, the executor's host overhead per region call, and cold/warm compile seconds.
+All timings in one process, interleaved by config, on this machine's threads.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import load_recipe
+from deepinfer.models import TINY_CONFIG, build_model
+from deepinfer.runtime.executor import BundleExecutor
+from deepinfer.runtime.step import Step
+
+CONFIGS = {
+    "tiny": TINY_CONFIG,
+    "100m": {  # ~97M parameters: 1 dense + 2 MoE layers of 16 experts, vocab 32000
+        "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "moe_intermediate_size": 512,
+        "num_hidden_layers": 3, "num_attention_heads": 8, "n_shared_experts": 1, "n_routed_experts": 16,
+        "kv_lora_rank": 256, "q_lora_rank": 384, "qk_rope_head_dim": 32, "v_head_dim": 64, "qk_nope_head_dim": 64,
+        "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4, "first_k_dense_replace": 1,
+        "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+PROMPT_LEN, STEPS, WARMUP = 32, 30, 5
+MAX_SEQS, MAX_LEN = 2, 128
+
+
+def median_ms(step_fn) -> float:
+    for i in range(WARMUP):
+        step_fn(PROMPT_LEN + i)
+    times = []
+    for i in range(STEPS):
+        start = time.perf_counter()
+        step_fn(PROMPT_LEN + WARMUP + i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def save_hf_checkpoint(config: dict, directory: Path):
+    import transformers
+
+    hf_config = transformers.DeepseekV3Config(**config, num_key_value_heads=config["num_attention_heads"])
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(hf_config).eval()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(directory)
+    return model
+
+
+def write_recipe(directory: Path, checkpoint: Path, name: str, split_layers: bool) -> Path:
+    recipe = {
+        "name": name, "model": {"checkpoint": str(checkpoint)}, "dtype": "float32",
+        "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}},
+        "kv": {"max_seqs": MAX_SEQS, "max_len": MAX_LEN}, "regions": {"split_layers": split_layers},
+        "backend": {"name": "inductor"}, "output": str(directory / "bundles" / name),
+    }
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def decode_step(slot: int):
+    def make(position: int) -> Step:
+        return Step("decode", torch.tensor([7]), torch.tensor([position]), torch.tensor([slot]))
+    return make
+
+
+def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
+    checkpoint = work / f"{name}-hf"
+    hf = save_hf_checkpoint(config, checkpoint)
+    cache = work / f"cache-{name}"
+    row = {"params_m": sum(p.numel() for p in hf.parameters()) / 1e6}
+
+    start = time.perf_counter()
+    split = compile_recipe(load_recipe(write_recipe(work, checkpoint, f"{name}-split", True)), jobs=jobs, cache_dir=cache, progress=False)
+    row["compile_cold_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    compile_recipe(load_recipe(write_recipe(work, checkpoint, f"{name}-split", True)), jobs=jobs, cache_dir=cache, progress=False)
+    row["compile_warm_s"] = time.perf_counter() - start
+    whole = compile_recipe(load_recipe(write_recipe(work, checkpoint, f"{name}-whole", False)), jobs=jobs, cache_dir=cache, progress=False)
+
+    bundle = BundleExecutor(split.bundle)
+    whole_bundle = BundleExecutor(whole.bundle)
+    make = decode_step(0)
+    row["bundle_ms"] = median_ms(lambda pos: bundle.run(make(pos)))
+    row["whole_graph_ms"] = median_ms(lambda pos: whole_bundle.run(make(pos)))
+
+    # Host overhead: a step's wall time minus the time spent inside the region functions.
+    bundle.host_seconds = {}
+    calls = len(bundle.plans["decode/1"].calls)
+    step_times = []
+    for i in range(STEPS):
+        start = time.perf_counter()
+        bundle.run(make(PROMPT_LEN + i))
+        step_times.append(time.perf_counter() - start)
+    inside = sum(bundle.host_seconds.values())
+    row["host_overhead_us_per_call"] = (sum(step_times) - inside) / (STEPS * calls) * 1e6
+    row["region_calls_per_step"] = calls
+
+    model = build_model(checkpoint=checkpoint)
+    kv = model.new_kv_cache(MAX_SEQS, MAX_LEN)
+    with torch.inference_mode():
+        row["our_eager_ms"] = median_ms(lambda pos: model.decode(*make(pos).inputs(), kv))
+        compiled = torch.compile(model.decode, dynamic=False)
+        start = time.perf_counter()
+        compiled(*make(PROMPT_LEN).inputs(), kv)
+        row["torch_compile_first_call_s"] = time.perf_counter() - start
+        row["torch_compile_ms"] = median_ms(lambda pos: compiled(*make(pos).inputs(), kv))
+
+        cache_hf = None
+        ids = torch.randint(0, config["vocab_size"], (1, PROMPT_LEN))
+        out = hf(ids, use_cache=True)
+        cache_hf = out.cache
+
+        def hf_step(pos):
+            nonlocal cache_hf
+            cache_hf = hf(torch.tensor([[7]]), cache=cache_hf, use_cache=True).cache
+
+        row["hf_eager_ms"] = median_ms(hf_step)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as tmp:
+        rows = {name: bench_config(name, CONFIGS[name], Path(tmp), args.jobs) for name in args.configs}
+    print(f"\ndecode, batch 1, float32, torch {torch.__version__}, {torch.get_num_threads()} threads; ms per token (median of {STEPS})")
+    print(f"{'config':>6} {'params':>7} {'bundle':>8} {'whole':>8} {'eager':>8} {'HF':>8} {'t.compile':>9} | "
+          f"{'HF/bundle':>9} {'eager/bundle':>12} {'bundle/whole':>12} | {'host us/call':>12} {'cold s':>7} {'warm s':>7}")
+    for name, r in rows.items():
+        print(f"{name:>6} {r['params_m']:6.1f}M {r['bundle_ms']:8.3f} {r['whole_graph_ms']:8.3f} {r['our_eager_ms']:8.3f} "
+              f"{r['hf_eager_ms']:8.3f} {r['torch_compile_ms']:9.3f} | {r['hf_eager_ms'] / r['bundle_ms']:8.2f}x "
+              f"{r['our_eager_ms'] / r['bundle_ms']:11.2f}x {r['bundle_ms'] / r['whole_graph_ms']:11.2f}x | "
+              f"{r['host_overhead_us_per_call']:12.1f} {r['compile_cold_s']:7.1f} {r['compile_warm_s']:7.1f}")
+    print("targets: HF/bundle >= 2x, eager/bundle >= 1.5x, bundle/whole <= 1.10x")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.models import build_model
+from deepinfer.models import Layout, LayoutError, build_model
+from deepinfer.models.parallel import rank_buffers, shard
 from deepinfer.runtime.errors import DeepinferError
-from deepinfer.runtime.manifest import KVSpec, Manifest, Program, Region, RegionCall, TensorSpec
+from deepinfer.runtime.manifest import KVSpec, Manifest, Program, Region, ScheduleStep, TensorSpec
 from deepinfer.runtime.versions import toolchain_versions
 
 from . import trace
@@ -21,7 +22,7 @@ from .bundle import write_bundle
 from .cache import CompileCache
 from .fingerprint import fingerprint
 from .pool import Job, JobResult, run_jobs
-from .recipe import Recipe
+from .recipe import Recipe, RecipeError
 from .split import export_region, input_values, output_values, split_unit
 
 
@@ -62,14 +63,23 @@ class Summary:
                 f"({self.cache_hits} cache hits, {self.compiled} compiled), {self.seconds:.1f} s -> {self.bundle}")
 
 
-def _model(recipe: Recipe, device: str):
+def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
     m = recipe.model
-    return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype, device=device)
+    return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype,
+                       device=device, layout=layout)
+
+
+def _layout(recipe: Recipe) -> Layout:
+    p = recipe.parallel
+    return Layout(p["world_size"], p["tp"], p["ep"])
 
 
 def plan(recipe: Recipe) -> Plan:
     """Trace every (method, bucket) on fake weights, split, fingerprint, and lay out the schedules."""
-    model = _model(recipe, "fake")
+    try:
+        model = _model(recipe, "fake", _layout(recipe))
+    except LayoutError as err:
+        raise RecipeError(f"{recipe.name}: {err}") from None
     backend = backend_module(recipe.backend)
     toolchain = {**toolchain_versions(), **backend.versions()}
     options = backend.options(recipe.backend_options)
@@ -78,11 +88,14 @@ def plan(recipe: Recipe) -> Plan:
     regions = {}
     for key, unit in units.items():
         unit_regions = split_unit(unit.program.graph_module, unit.module_path, recipe.boundaries)
-        fps = [fingerprint(r.graph_module, recipe.backend, options, toolchain) for r in unit_regions.regions]
+        fps = ["" if r.collective else fingerprint(r.graph_module, recipe.backend, options, toolchain)
+               for r in unit_regions.regions]
         for fp, region in zip(fps, unit_regions.regions):
-            regions.setdefault(fp, region.graph_module)
+            if fp:
+                regions.setdefault(fp, region.graph_module)
         split[key] = (unit_regions, fps)
-    schedules = {p.key: _schedule(p, split) for p in programs}
+    hierarchical = bool(recipe.parallel["hierarchical_allreduce"])
+    schedules = {p.key: _schedule(p, split, hierarchical) for p in programs}
     cfg = model.config
     kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], cfg.num_hidden_layers,
                 [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
@@ -90,7 +103,7 @@ def plan(recipe: Recipe) -> Plan:
     return Plan(schedules, regions, toolchain, options, weight_names, kv, cfg.to_dict(), units)
 
 
-def _schedule(program: trace.TracedProgram, split: dict) -> Program:
+def _schedule(program: trace.TracedProgram, split: dict, hierarchical: bool) -> Program:
     steps = []
     for call in program.calls:
         unit_regions, fps = split[call.unit]
@@ -106,7 +119,10 @@ def _schedule(program: trace.TracedProgram, split: dict) -> Program:
 
         for r, region in enumerate(unit_regions.regions):
             outputs = [name(("region", r, j)) for j in range(region.n_outputs)]
-            steps.append(RegionCall(fps[r], [name(ref) for ref in region.inputs], outputs))
+            collective = region.collective
+            if collective and collective["op"] == "all_reduce" and collective["group"] == "world" and hierarchical:
+                collective = {**collective, "hierarchical": True}
+            steps.append(ScheduleStep(fps[r], [name(ref) for ref in region.inputs], outputs, collective))
     return Program(program.method, program.bucket, program.inputs, program.output, steps)
 
 
@@ -139,6 +155,20 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
     return artifacts, len(the_plan.regions) - len(todo)
 
 
+def rank_tensors(model, names: list[str], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+    """Rank's slice of every weight the regions take, cut from the full (single-rank) model."""
+    buffers = rank_buffers(layout, model.config, rank)
+    out = {}
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        if leaf in buffers:
+            out[name] = buffers[leaf].clone()  # one value per layer: safetensors refuses shared memory
+        else:
+            full = getattr(model.get_submodule(owner), leaf)
+            out[name] = shard(name, full, layout, rank).clone() if layout.split(name) else full
+    return out
+
+
 def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,
                    progress: bool = True) -> Summary:
     from deepinfer.runtime import knobs
@@ -149,8 +179,8 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress)
 
     model = _model(recipe, "cpu")
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    weights = {name: tensors[name] for name in the_plan.weight_names}
+    layout = _layout(recipe)
+    rank_weights = [rank_tensors(model, the_plan.weight_names, layout, rank) for rank in range(layout.world_size)]
     checkpoint = recipe.model["checkpoint"]
     tokenizer = Path(checkpoint) / "tokenizer.json" if checkpoint else None
     tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
@@ -160,10 +190,10 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     manifest = Manifest(
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
         parallel=recipe.parallel, buckets=recipe.buckets, kv=the_plan.kv, programs=the_plan.programs, regions=regions,
-        weight_files=["weights/rank-0.safetensors"], tokenizer="tokenizer.json" if tokenizer else None,
+        weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if tokenizer else None,
         vocab_size=model.config.vocab_size, eos_token_id=model.config.eos_token_id,
     )
-    write_bundle(recipe.output, manifest, artifacts, [weights], tokenizer)
+    write_bundle(recipe.output, manifest, artifacts, rank_weights, tokenizer)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
     return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
                    time.perf_counter() - start, recipe.output)

@@ -40,7 +40,7 @@ SCHEMA = {
     "name": (str, REQUIRED),
     "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0)},
     "dtype": (str, "float32"),
-    "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1)},
+    "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0)},
     "methods": {"decode": {"buckets": (list, REQUIRED)}, "prefill": {"buckets": (list, REQUIRED)}},
     "kv": {"max_seqs": (int, REQUIRED), "max_len": (int, REQUIRED)},
     "regions": {"split_layers": (bool, True), "boundaries": (list, [])},
@@ -90,6 +90,10 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         if len(set(listed)) != len(listed):
             fail(key, f"{listed} lists a bucket twice.")
         buckets[method] = sorted(listed)
+    node = values["parallel"]["hierarchical_allreduce"]
+    if node and (node < 2 or values["parallel"]["world_size"] % node or node == values["parallel"]["world_size"]):
+        fail("parallel.hierarchical_allreduce", f"{node} must be a group size (ranks per node) that divides "
+             f"world_size={values['parallel']['world_size']} into at least two groups, or 0 for a flat all-reduce.")
     kv = values["kv"]
     for name in ("max_seqs", "max_len"):
         if kv[name] <= 0:

@@ -5,7 +5,8 @@ A boundary is `{op: PREFIX, module: GLOB}`: a new region starts before every nod
 paths are model paths with a layer kind's index as `*` (`layers.*.mlp.gate`), so a boundary
 survives a re-trace and applies to every layer of the kind.
 
-Each region is a standalone GraphModule whose inputs are the live values crossing into it.
+Every deepinfer collective (all_reduce, all_gather) becomes a piece of its own, which the
+schedule runs as a collective step instead of compiling. Each region is a standalone GraphModule whose inputs are the live values crossing into it.
 `torch.fx.passes.split_module` does the cutting with keep_original_order=True, which keeps the
 in-place KV store ahead of the reads that follow it.
 """
@@ -17,12 +18,15 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from deepinfer.runtime.collectives import COLLECTIVE_OPS
+
 
 @dataclass
 class RegionGraph:
     graph_module: fx.GraphModule  # returns a tuple
     inputs: list[tuple]  # per input: ("unit", i) a unit input, or ("region", r, j) output j of region r
     n_outputs: int
+    collective: dict | None = None  # {"op", "group", ...} when this piece is one collective, not a region
 
 
 @dataclass
@@ -45,16 +49,28 @@ def matches(node: fx.Node, boundary: dict, unit_path: str) -> bool:
     return "module" not in boundary or fnmatchcase(module_path(node, unit_path), boundary["module"])
 
 
+def collective_of(node: fx.Node) -> dict | None:
+    """{"op": "all_reduce", "group": "tp", ...} for a deepinfer collective node, else None."""
+    op = COLLECTIVE_OPS.get(str(node.target)) if node.op == "call_function" else None
+    if op is None:
+        return None
+    schema = node.target._schema.arguments
+    return {"op": op, **{arg.name: value for arg, value in zip(schema[1:], node.args[1:])}}
+
+
 def split_unit(graph_module: fx.GraphModule, unit_path: str, boundaries: list[dict]) -> UnitRegions:
-    partition, has_compute = 0, False
+    """Cut before every boundary match, and around every collective (which becomes its own piece)."""
+    partition, has_compute, after_collective = 0, False, False
     partition_of = {}
     for node in graph_module.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if has_compute and any(matches(node, b, unit_path) for b in boundaries):
+        collective = collective_of(node) is not None
+        if has_compute and (collective or after_collective or any(matches(node, b, unit_path) for b in boundaries)):
             partition, has_compute = partition + 1, False
         partition_of[node] = partition
         has_compute = has_compute or node.op == "call_function"
+        after_collective = collective
 
     split = split_module(graph_module, None, lambda node: partition_of[node], keep_original_order=True)
     placeholders = {node: i for i, node in enumerate(n for n in split.graph.nodes if n.op == "placeholder")}
@@ -74,7 +90,9 @@ def split_unit(graph_module: fx.GraphModule, unit_path: str, boundaries: list[di
         if node.op == "call_module":
             submodule = getattr(split, node.target)
             n_outputs = _outputs_as_tuple(submodule)
-            regions.append(RegionGraph(submodule, [ref(a) for a in node.args], n_outputs))
+            calls = [n for n in submodule.graph.nodes if n.op == "call_function"]
+            collective = collective_of(calls[0]) if len(calls) == 1 else None
+            regions.append(RegionGraph(submodule, [ref(a) for a in node.args], n_outputs, collective))
             region_of[node] = len(regions) - 1
     (returned,) = split.graph.output_node().args
     outputs = [ref(a) for a in (returned if isinstance(returned, (tuple, list)) else [returned])]

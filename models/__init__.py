@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .checkpoint import CheckpointError, SafetensorsDir, init_buffers, read_config, set_parameter
 from .deepseek_v3 import DeepseekV3, init_random
 from .deepseek_v3_config import TINY_CONFIG, ConfigError, DeepseekV3Config
+from .parallel import Layout, LayoutError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ARCHS = ("deepseek_v3",)
@@ -27,12 +28,15 @@ def build_model(
     seed: int = 0,
     dtype: str = "float32",
     device: str = "cpu",
+    layout: Layout = Layout(),
 ) -> DeepseekV3:
     """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
 
     device="meta" or "fake" builds shapes only: nothing is allocated and no weights are read.
     "fake" gives FakeTensors on the CPU (from one FakeTensorMode, `model.embed.weight.fake_mode`),
-    which torch.export traces like real weights."""
+    which torch.export traces like real weights. A `layout` other than one rank gives rank 0's
+    shard shapes and collectives; it is for tracing (meta or fake) only — per-rank weights are
+    cut from the full model by models.parallel.shard."""
     if arch not in ARCHS:
         raise ConfigError(f"model.arch={arch!r} is not supported; choose one of {list(ARCHS)}.")
     if dtype not in DTYPES:
@@ -44,8 +48,10 @@ def build_model(
     else:
         config_dict, source = config, "model.config"
     cfg = DeepseekV3Config.from_dict(config_dict, source)
+    if layout.world_size > 1 and device == "cpu":
+        raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
     with torch.device("meta"):
-        model = DeepseekV3(cfg)
+        model = DeepseekV3(cfg, layout)
     if device == "meta":
         return model
     weights = SafetensorsDir(Path(checkpoint)) if checkpoint is not None and device == "cpu" else None
@@ -89,4 +95,5 @@ def _read(weights: SafetensorsDir, key: str, shape: tuple) -> torch.Tensor:
     return tensor
 
 
-__all__ = ["build_model", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config", "TINY_CONFIG", "DTYPES"]
+__all__ = ["build_model", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config", "Layout", "LayoutError",
+           "TINY_CONFIG", "DTYPES"]

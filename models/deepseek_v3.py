@@ -24,7 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
+
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
+from .parallel import Layout, rank_buffers
 
 
 class RMSNorm(nn.Module):
@@ -106,12 +109,14 @@ def linear(dim_in: int, dim_out: int, bias: bool = False) -> nn.Linear:
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention with the compressed cache and absorbed up-projections."""
+    """Multi-head latent attention with the compressed cache and absorbed up-projections.
+    Under tensor parallelism this rank holds n_heads / tp heads; o_proj's partials are all-reduced."""
 
-    def __init__(self, config: DeepseekV3Config):
+    def __init__(self, config: DeepseekV3Config, tp: int = 1):
         super().__init__()
         c = config
-        self.n_heads = c.num_attention_heads
+        self.tp = tp
+        self.n_heads = c.num_attention_heads // tp
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         self.interleaved = c.rope_interleave
@@ -153,20 +158,23 @@ class MLAttention(nn.Module):
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
         out_latent = torch.matmul(probs, cached_latent)  # [T, H, R]
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v]
-        return self.o_proj(out.flatten(1))
+        out = self.o_proj(out.flatten(1))
+        return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
 
 
 class MLP(nn.Module):
     """SwiGLU: the dense layers' MLP and the MoE's shared experts."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, reduce_group: str | None = None):
         super().__init__()
         self.gate_proj = linear(dim, hidden)
         self.up_proj = linear(dim, hidden)
         self.down_proj = linear(hidden, dim)
+        self.reduce_group = reduce_group  # all-reduce the row-parallel partial sums over it
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return torch.ops.deepinfer.all_reduce(out, self.reduce_group) if self.reduce_group else out
 
 
 class Router(nn.Module):
@@ -200,38 +208,41 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (stacked [E_local, out, in]) plus shared experts, in static-shape form.
 
-    This rank holds experts [expert_offset, expert_offset + E_local); the offset is a buffer, not
-    a Python constant, so every rank traces the same graph. A routed expert held elsewhere
-    contributes zero here."""
+    This rank holds experts [expert_offset, expert_offset + E_local) and computes the routed ones
+    among [owned_begin, owned_end); a routed expert owned elsewhere contributes zero here. Those
+    are buffers, not Python constants, so every rank traces the same graph (models/parallel.py)."""
 
-    def __init__(self, config: DeepseekV3Config, n_local_experts: int | None = None):
+    def __init__(self, config: DeepseekV3Config, layout: Layout = Layout()):
         super().__init__()
         c = config
-        E = n_local_experts or c.n_routed_experts
+        self.config, self.layout = c, layout
+        E = c.n_routed_experts // layout.ep
         I = c.moe_intermediate_size
         self.gate = Router(c)
         self.experts_gate_up = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # gate rows, then up rows
         self.experts_down = nn.Parameter(torch.empty(E, c.hidden_size, I))
-        self.shared_experts = MLP(c.hidden_size, I * c.n_shared_experts)
+        self.shared_experts = MLP(c.hidden_size, I * c.n_shared_experts // layout.tp)
         self.init_buffers()
 
-    def init_buffers(self):
-        self.register_buffer("expert_offset", torch.zeros((), dtype=torch.int64, device="cpu"), persistent=False)
+    def init_buffers(self, rank: int = 0):
+        with torch.device("cpu"):  # derived from the layout, also when the weights are on meta
+            for name, value in rank_buffers(self.layout, self.config, rank).items():
+                self.register_buffer(name, value, persistent=False)
 
     def forward(self, x):
         weights, ids = self.gate(x)  # [N, k], [N, k]
         E_local = self.experts_gate_up.shape[0]
-        local_ids = ids - self.expert_offset
-        is_local = (local_ids >= 0) & (local_ids < E_local)
+        is_local = (ids >= self.owned_begin) & (ids < self.owned_end)
         weights = torch.where(is_local, weights, 0.0).to(x.dtype)
-        local_ids = local_ids.clamp(0, E_local - 1)
+        local_ids = (ids - self.expert_offset).clamp(0, E_local - 1)
         # Static shapes pick the form: gathering k experts per row reads less than all experts
         # only while rows * k < E_local (decode); otherwise compute every local expert (prefill).
         if x.shape[0] * ids.shape[1] < E_local:
             routed = self._gathered_experts(x, weights, local_ids)
         else:
             routed = self._all_experts(x, weights, local_ids)
-        return routed + self.shared_experts(x)
+        out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)  # [N, D]
+        return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 
     def _gathered_experts(self, x, weights, local_ids):
         gate_up = self.experts_gate_up[local_ids]  # [N, k, 2I, D]
@@ -250,13 +261,17 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + (dense MLP | MoE). `kind` names what the compiler traces once."""
 
-    def __init__(self, config: DeepseekV3Config, moe: bool):
+    def __init__(self, config: DeepseekV3Config, moe: bool, layout: Layout = Layout()):
         super().__init__()
+        tp = layout.tp
         self.kind = "moe" if moe else "dense"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config)
+        self.self_attn = MLAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+        if moe:
+            self.mlp = MoE(config, layout)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size // tp, "tp" if tp > 1 else None)
 
     def forward(self, h, cos, sin, positions, write_slots, read_slots, kv):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, write_slots, read_slots, kv)
@@ -264,32 +279,38 @@ class DecoderLayer(nn.Module):
 
 
 class LMHead(nn.Module):
-    def __init__(self, config: DeepseekV3Config):
+    """Final norm + vocabulary projection; vocabulary-parallel over tp, then one all-gather."""
+
+    def __init__(self, config: DeepseekV3Config, tp: int = 1):
         super().__init__()
+        self.tp = tp
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = linear(config.hidden_size, config.vocab_size)
+        self.lm_head = linear(config.hidden_size, config.vocab_size // tp)
 
     def forward(self, h, last_index=None):
         """h [T, D] -> logits [T, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
         if last_index is not None:
             h = h.index_select(0, last_index)
-        return self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h)).float()  # [T, V / tp]
+        return torch.ops.deepinfer.all_gather(logits, "tp", -1, self.tp) if self.tp > 1 else logits
 
 
 class DeepseekV3(nn.Module):
     # Router parameters stay float32 whatever the model dtype, as in HF.
     FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")
 
-    def __init__(self, config: DeepseekV3Config):
+    def __init__(self, config: DeepseekV3Config, layout: Layout = Layout()):
         super().__init__()
-        self.config = config
+        layout.check(config)
+        self.config, self.layout = config, layout
         self.embed = InputEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i)) for i in range(config.num_hidden_layers))
-        self.head = LMHead(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i), layout) for i in range(config.num_hidden_layers))
+        self.head = LMHead(config, layout.tp)
         self.tie_weights()
 
     def tie_weights(self):
-        if self.config.tie_word_embeddings:
+        # A vocabulary-parallel head holds a slice of the embedding, so it is only tied unsharded.
+        if self.config.tie_word_embeddings and self.layout.tp == 1:
             self.head.lm_head.weight = self.embed.weight
 
     def new_kv_cache(self, max_seqs: int, max_len: int) -> list[torch.Tensor]:

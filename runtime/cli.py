@@ -3,20 +3,37 @@
     deepinfer-run --bundle artifacts/tiny --prompt "hello"
     deepinfer-run --bundle artifacts/tiny --prompt-ids 1,2,3 --prompt "hi" --max-tokens 16 --json
     deepinfer-run --bundle artifacts/tiny --prompt "hello" --temperature 0.8 --top-p 0.9 --seed 1
+    torchrun --nproc-per-node 2 -m deepinfer.runtime.cli --bundle artifacts/tiny-ws2 --prompt "hello"
+
+A bundle compiled for world_size W > 1 runs on W ranks: this process leads and spawns the W-1
+followers itself, or, under torchrun, rank 0 leads the ranks torchrun started.
 
 Prints each prompt's continuation, or with --json one object:
     {"results": [{"prompt_ids", "token_ids", "text", "finish_reason"}...], "timing": {"ttft", "tpot", ...}}
 """
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import click
 
 from .engine import Engine, Request
 from .errors import DeepinferError
+from .launch import Leader
+from .manifest import peek_world_size
 from .sampling import SamplingParams
+
+
+def open_bundle(bundle: Path, under_torchrun: bool):
+    """A single-rank executor, or for a multi-rank bundle the leader of its follower ranks."""
+    from .executor import BundleExecutor
+
+    if peek_world_size(bundle) == 1:
+        return BundleExecutor(bundle)
+    return Leader(bundle, torchrun=under_torchrun)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -38,14 +55,19 @@ def parse_ids(text: str) -> list[int]:
 def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_json):
     """Generate from a compiled bundle."""
     from . import knobs
-    from .executor import BundleExecutor
     from .tokenizer import load_tokenizer
 
     if not prompts and not prompt_ids:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
+    under_torchrun = "RANK" in os.environ and "DEEPINFER_RING" not in os.environ
+    if under_torchrun and int(os.environ["RANK"]) > 0:
+        from .follower import follow
+
+        return follow(Path(bundle))
+    executor = None
     try:
         load_start = time.perf_counter()
-        executor = BundleExecutor(bundle)
+        executor = open_bundle(Path(bundle), under_torchrun)
         m = executor.manifest
         tokenizer = load_tokenizer(executor.bundle if m.tokenizer else None, m.vocab_size)
         load_seconds = time.perf_counter() - load_start
@@ -56,6 +78,9 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
     except DeepinferError as err:
         click.echo(f"deepinfer-run: {err}", err=True)
         sys.exit(err.exit_code)
+    finally:
+        if isinstance(executor, Leader):
+            executor.shutdown()
 
     texts = [tokenizer.decode(r.token_ids) for r in results]
     if executor.trace_events is not None:

@@ -1,4 +1,5 @@
-"""Replays a bundle's programs: each Step runs its (method, bucket) program, region after region.
+"""Replays a bundle's programs: each Step runs its (method, bucket) program, region after region,
+with the collectives between regions run by torch.distributed (on multi-rank bundles).
 
 Everything that can be resolved at load is: each region call's arguments are either a fixed
 tensor (a weight, a KV cache layer) or a slot in a small per-step value table, so a region call
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import knobs
+from .collectives import run_collective
 from .backends import load_region
 from .manifest import BundleError, read_manifest
 from .step import Step
@@ -36,7 +38,7 @@ class _Plan:
 class BundleExecutor:
     def __init__(self, bundle: str | Path, rank: int = 0):
         self.bundle = Path(bundle)
-        self.manifest = m = read_manifest(self.bundle, toolchain_versions())
+        self.manifest = m = read_manifest(self.bundle, toolchain_versions(), rank)
         self.rank = rank
         functions = {fp: load_region(r.backend, self.bundle / r.file) for fp, r in m.regions.items()}
         weights = load_file(self.bundle / m.weight_files[rank])
@@ -60,7 +62,12 @@ class BundleExecutor:
                 else:
                     raise BundleError(f"{self.bundle}/manifest.json: program {key} reads {name!r} before anything writes it.")
             outputs = [slots.setdefault(name, len(slots)) for name in step.outputs]
-            calls.append(_Call(functions[step.region], step.region, args, outputs))
+            if step.collective:
+                spec = step.collective
+                label = f"{spec['op']}:{spec['group']}"
+                calls.append(_Call(lambda x, spec=spec: (run_collective(spec, x),), label, args, outputs))
+            else:
+                calls.append(_Call(functions[step.region], step.region, args, outputs))
         return _Plan(calls, len(slots), slots[program.output])
 
     def run(self, step: Step) -> torch.Tensor:

@@ -44,12 +44,15 @@ class Region:
 
 
 @dataclass
-class RegionCall:
-    """`outputs = region(*inputs)`; names refer to program inputs, kv.<layer>, weights or earlier outputs."""
+class ScheduleStep:
+    """`outputs = region(*inputs)`, or a collective over a named group when `collective` is set
+    ({"op": "all_reduce", "group": "world"}; region is then ""). Names refer to program inputs,
+    kv.<layer>, weights, or earlier outputs."""
 
     region: str  # fingerprint
     inputs: list[str]
     outputs: list[str]
+    collective: dict | None = None
 
 
 @dataclass
@@ -58,7 +61,7 @@ class Program:
     bucket: int
     inputs: list[str]  # the Step fields this program reads, in Step.inputs() order
     output: str
-    steps: list[RegionCall]
+    steps: list[ScheduleStep]
 
 
 @dataclass
@@ -100,7 +103,7 @@ class Manifest:
         body.pop("checksum", None)
         body["kv"] = KVSpec(**body["kv"])
         body["programs"] = {
-            k: Program(**{**p, "steps": [RegionCall(**s) for s in p["steps"]]}) for k, p in body["programs"].items()
+            k: Program(**{**p, "steps": [ScheduleStep(**s) for s in p["steps"]]}) for k, p in body["programs"].items()
         }
         body["regions"] = {
             k: Region(**{**r, "inputs": [TensorSpec(**t) for t in r["inputs"]], "outputs": [TensorSpec(**t) for t in r["outputs"]]})
@@ -122,8 +125,17 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(bundle: Path, toolchain: dict) -> Manifest:
-    """Read and verify a bundle: magic, schema version, manifest checksum, toolchain, every file."""
+def peek_world_size(bundle: Path) -> int:
+    """The bundle's world size, read without verification (read_manifest then checks everything)."""
+    try:
+        return int(json.loads((Path(bundle) / "manifest.json").read_text())["parallel"]["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1  # let the verifying reader say what is wrong
+
+
+def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None) -> Manifest:
+    """Read and verify a bundle: magic, schema version, manifest checksum, toolchain, every file
+    (with `rank`, of the weight files only that rank's)."""
     bundle = Path(bundle)
     path = bundle / "manifest.json"
     if not path.is_file():
@@ -148,7 +160,10 @@ def read_manifest(bundle: Path, toolchain: dict) -> Manifest:
                 f"{path}: bundle compiled with {key} {wanted}, but this runtime has {key} {toolchain[key]}. "
                 f"Compiled artifacts are tied to the toolchain: recompile the recipe here, or run with {key} {wanted}."
             )
+    skipped = set() if rank is None else set(manifest.weight_files) - {manifest.weight_files[rank]}
     for rel, digest in manifest.files.items():
+        if rel in skipped:
+            continue
         file = bundle / rel
         if not file.is_file():
             raise BundleError(f"{file}: missing from the bundle. Copy the whole bundle directory, or recompile.")

@@ -5,7 +5,10 @@ and every rank's executor replays it. Padding rows and tokens point at the scrat
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+METHODS = ("stop", "prefill", "decode")
 
 
 @dataclass
@@ -26,3 +29,36 @@ class Step:
         if self.method == "prefill":
             return (self.tokens, self.positions, self.slots, self.read_slot, self.last_index)
         return (self.tokens, self.positions, self.slots)
+
+
+def payload_words(max_bucket: int) -> int:
+    """Size of one encoded step record, in int64 words."""
+    return 5 + 3 * max_bucket
+
+
+def encode(step: Step | None, max_bucket: int) -> np.ndarray:
+    """[method, bucket, read_slot, last_index, n, tokens..., positions..., slots...]; None means stop."""
+    record = np.zeros(payload_words(max_bucket), dtype=np.int64)
+    if step is None:
+        return record
+    n = step.bucket
+    record[:5] = [METHODS.index(step.method), n, _scalar(step.read_slot), _scalar(step.last_index), n]
+    for i, field in enumerate((step.tokens, step.positions, step.slots)):
+        record[5 + i * max_bucket : 5 + i * max_bucket + n] = field.numpy()
+    return record
+
+
+def decode(record: np.ndarray, max_bucket: int) -> Step | None:
+    method = METHODS[int(record[0])]
+    if method == "stop":
+        return None
+    n = int(record[1])
+    fields = [torch.from_numpy(record[5 + i * max_bucket : 5 + i * max_bucket + n].copy()) for i in range(3)]
+    extra = {}
+    if method == "prefill":
+        extra = {"read_slot": torch.tensor([int(record[2])]), "last_index": torch.tensor([int(record[3])])}
+    return Step(method, *fields, **extra)
+
+
+def _scalar(t: torch.Tensor | None) -> int:
+    return -1 if t is None else int(t[0])

@@ -1,0 +1,112 @@
+"""How a model is split over ranks, as data: which dim of which weight, and what each rank owns.
+
+Layout (world_size W, tp, ep):
+- MLA heads, the dense MLP, the shared experts and the LM head's vocabulary split over `tp`
+  consecutive ranks; the W/tp groups of tp ranks are replicas that compute the same tokens.
+  o_proj and down_proj are row-parallel: the partial sums meet in an all-reduce over "tp".
+- Routed experts: each rank HOLDS E/ep experts (its EP shard) and OWNS E/W of them, the ones it
+  computes; a routed expert owned elsewhere contributes zero here. The owned partial sum joins
+  the shared expert's partial, which only the first tp replica adds, before the MoE block's one
+  all-reduce over "world".
+- Embedding: replicated. A decode step looks up B rows; splitting the vocabulary would save
+  memory but cost an all-reduce every step, and small-batch decode is latency-bound.
+- LM head: vocabulary-parallel over "tp", then one all-gather of the [B, V/tp] logits: each rank
+  reads 1/tp of the largest weight in the model, and B x V floats are cheap to gather.
+
+Rank-dependent values (expert offsets, the owned range, the shared-expert scale) are buffers set
+by `assign_rank`, so every rank traces and runs the SAME graph.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# parameter name suffix -> dim split over tp (0: output rows, column-parallel; 1: input columns, row-parallel)
+TP_SPLITS = {
+    "self_attn.q_proj.weight": 0,
+    "self_attn.q_b_proj.weight": 0,
+    "self_attn.kv_b_proj.weight": 0,
+    "self_attn.o_proj.weight": 1,
+    "mlp.gate_proj.weight": 0,
+    "mlp.up_proj.weight": 0,
+    "mlp.down_proj.weight": 1,
+    "mlp.shared_experts.gate_proj.weight": 0,
+    "mlp.shared_experts.up_proj.weight": 0,
+    "mlp.shared_experts.down_proj.weight": 1,
+    "head.lm_head.weight": 0,
+}
+# parameter name suffix -> dim split over ep
+EP_SPLITS = {"mlp.experts_gate_up": 0, "mlp.experts_down": 0}
+
+
+class LayoutError(ValueError):
+    """A parallel layout that does not fit the model; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel factor of the tp-sharded parts: world_size = tp x replicas."""
+        return self.world_size // self.tp
+
+    def split(self, name: str) -> tuple[int, int] | None:
+        """(dim, parts) that parameter `name` is split into, or None if every rank holds all of it."""
+        for suffix, dim in TP_SPLITS.items():
+            if name.endswith(suffix) and self.tp > 1:
+                return dim, self.tp
+        for suffix, dim in EP_SPLITS.items():
+            if name.endswith(suffix) and self.ep > 1:
+                return dim, self.ep
+        return None
+
+    def shard_index(self, name: str, rank: int) -> int:
+        """Which of the `parts` slices of `name` rank holds."""
+        return rank % self.tp if any(name.endswith(s) for s in TP_SPLITS) else rank // (self.world_size // self.ep)
+
+    def check(self, config) -> None:
+        c, w, tp, ep = config, self.world_size, self.tp, self.ep
+        if min(w, tp, ep) < 1:
+            raise LayoutError(f"parallel: world_size={w}, tp={tp}, ep={ep} must all be >= 1.")
+        if w % tp:
+            raise LayoutError(f"parallel: world_size={w} must be tp={tp} x replicas; {w} is not divisible by {tp}.")
+        if w % ep:
+            raise LayoutError(f"parallel: ep={ep} must divide world_size={w} (each EP shard is held by world_size/ep ranks).")
+        for what, n, parts, name in [
+            ("num_attention_heads", c.num_attention_heads, tp, "tp"),
+            ("intermediate_size", c.intermediate_size, tp, "tp"),
+            ("moe_intermediate_size x n_shared_experts", c.moe_intermediate_size * c.n_shared_experts, tp, "tp"),
+            ("vocab_size", c.vocab_size, tp, "tp"),
+            ("n_routed_experts", c.n_routed_experts, ep, "ep"),
+            ("n_routed_experts", c.n_routed_experts, w, "world_size"),
+        ]:
+            if n % parts:
+                raise LayoutError(f"parallel: {name}={parts} does not divide {what}={n}.")
+        if c.attention_bias and tp > 1:
+            raise LayoutError("parallel: tp > 1 with attention_bias is not supported (the row-parallel o_proj bias would be added tp times).")
+
+
+def rank_buffers(layout: Layout, config, rank: int) -> dict[str, torch.Tensor]:
+    """Per-MoE-layer buffer values for `rank` (the same for every MoE layer)."""
+    held = config.n_routed_experts // layout.ep
+    owned = config.n_routed_experts // layout.world_size
+    return {
+        "expert_offset": torch.tensor(rank // (layout.world_size // layout.ep) * held),
+        "owned_begin": torch.tensor(rank * owned),
+        "owned_end": torch.tensor((rank + 1) * owned),
+        "shared_scale": torch.tensor(1.0 if rank < layout.tp else 0.0),
+    }
+
+
+def shard(name: str, tensor: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    """Rank's slice of the full tensor `name` (a view; no copy)."""
+    split = layout.split(name)
+    if split is None:
+        return tensor
+    dim, parts = split
+    size = tensor.shape[dim] // parts
+    return tensor.narrow(dim, layout.shard_index(name, rank) * size, size)

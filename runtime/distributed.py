@@ -1,0 +1,32 @@
+"""Process groups for a bundle's layout: gloo on CPU, nccl on CUDA; every rank creates every group
+in the same order (torch.distributed requires it), then keeps its own."""
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .collectives import set_groups
+
+
+def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_port: int, backend: str = "gloo",
+                node_size: int | None = None, timeout_s: float = 300):
+    """`node_size` (ranks per node group) also makes the world.inner / world.outer groups of the
+    hierarchical all-reduce."""
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    groups = {"world": dist.group.WORLD}
+    groups["tp"] = _own_group([list(range(s, s + tp)) for s in range(0, world_size, tp)], rank)
+    if node_size:
+        groups["world.inner"] = _own_group([list(range(s, s + node_size)) for s in range(0, world_size, node_size)], rank)
+        groups["world.outer"] = _own_group([list(range(i, world_size, node_size)) for i in range(node_size)], rank)
+    set_groups(groups)
+    return groups
+
+
+def _own_group(partition: list[list[int]], rank: int):
+    mine = None
+    for ranks in partition:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine

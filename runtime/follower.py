@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import click
+import torch.distributed as dist
 
 from .errors import DeepinferError
 from .launch import RING_SLOTS, join, max_bucket_of
@@ -42,6 +43,7 @@ def follow(bundle: Path):
         step = decode(ring.read(rank - 1, step_id, check=leader_alive, timeout=3600), width)
         step_id += 1
         if step is None:
+            dist.destroy_process_group()
             return
         executor.run(step)
 

@@ -137,7 +137,7 @@ class Leader:
     def shutdown(self, kill: bool = False):
         """Stop the followers: a stop record and a wait, or (kill) SIGKILL at once."""
         self.stopping = True
-        if not kill and self.followers:
+        if not kill:  # spawned followers, or torchrun's
             try:
                 self.ring.write(self.step_id, encode(None, self.max_bucket), timeout=10)
                 for process in self.followers:

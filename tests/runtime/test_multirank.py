@@ -1,0 +1,165 @@
+"""World sizes 2 and 4 on CPU (gloo, real follower processes) give the tokens of world size 1 and
+of transformers on the same weights; a dead follower stops the job fast and leaves no shm behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import RecipeError, load_recipe
+from tests.conftest import TINY_RECIPE, write_recipe
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 17, 42, 99, 7], list(range(10, 40)), [3] * 12 + [250, 251], [77, 78]]
+MAX_TOKENS = 12
+LAYOUTS = {
+    "ws1": {"world_size": 1, "tp": 1, "ep": 1},
+    "ws2_tp2_ep2": {"world_size": 2, "tp": 2, "ep": 2},
+    "ws4_tp1_ep4": {"world_size": 4, "tp": 1, "ep": 4},
+    "ws4_tp2_ep2_hier": {"world_size": 4, "tp": 2, "ep": 2, "hierarchical_allreduce": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.models.test_hf_parity import decisive_init
+
+    config = dict(yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"], num_key_value_heads=4)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config)).eval()
+    hf.config._attn_implementation = "eager"
+    decisive_init(hf, seed=3)
+    directory = tmp_path_factory.mktemp("hf-tiny")
+    hf.save_pretrained(directory)
+    return hf, directory
+
+
+@pytest.fixture(scope="module")
+def bundles(checkpoint, tmp_path_factory, cache_dir):
+    _, directory = checkpoint
+    work = tmp_path_factory.mktemp("multirank")
+    out = {}
+    for name, parallel in LAYOUTS.items():
+        recipe = write_recipe(work, name, model={"checkpoint": str(directory), "config": None}, parallel=parallel,
+                              backend={"name": "export"}, methods={"decode": {"buckets": [1, 2, 4]}, "prefill": {"buckets": [8, 32]}})
+        out[name] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
+    return out
+
+
+def run_bundle(bundle: Path, *extra, timeout=300) -> subprocess.CompletedProcess:
+    args = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    return subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *args,
+                           "--max-tokens", str(MAX_TOKENS), "--json", *extra], capture_output=True, text=True, timeout=timeout)
+
+
+def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_gives_the_tokens_of_world_size_1_and_of_transformers(bundles, checkpoint, layout):
+    hf, _ = checkpoint
+    shm_before = set(os.listdir("/dev/shm"))
+    result = run_bundle(bundles[layout])
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens = [r["token_ids"] for r in json.loads(result.stdout)["results"]]
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    eos = hf.config.eos_token_id
+    expected = [e[: e.index(eos) + 1] if eos in e else e for e in expected]
+    assert tokens == expected
+    assert set(os.listdir("/dev/shm")) <= shm_before  # nothing left behind
+
+
+def test_one_region_set_serves_every_rank(bundles):
+    manifest = json.loads((bundles["ws4_tp1_ep4"] / "manifest.json").read_text())
+    assert manifest["weight_files"] == [f"weights/rank-{r}.safetensors" for r in range(4)]
+    assert sorted(p.name for p in (bundles["ws4_tp1_ep4"] / "regions").iterdir()) == sorted(
+        Path(r["file"]).name for r in manifest["regions"].values())
+    # Routed experts: each rank holds 8 / ep = 2 of them; the collectives are in the schedule.
+    from safetensors import safe_open
+
+    with safe_open(bundles["ws4_tp1_ep4"] / "weights" / "rank-3.safetensors", "pt") as f:
+        assert f.get_slice("layers.1.mlp.experts_gate_up").get_shape()[0] == 2
+        assert int(f.get_tensor("layers.1.mlp.owned_begin")) == 6
+    steps = manifest["programs"]["decode/1"]["steps"]
+    assert [s["collective"]["op"] for s in steps if s["collective"]] == ["all_reduce", "all_reduce"]  # one per MoE layer
+    hier = json.loads((bundles["ws4_tp2_ep2_hier"] / "manifest.json").read_text())["programs"]["decode/1"]["steps"]
+    assert any(s["collective"] and s["collective"].get("hierarchical") for s in hier)
+
+
+@pytest.mark.parametrize("parallel, message", [
+    ({"world_size": 2, "tp": 2, "ep": 3}, "ep=3 must divide world_size=2"),
+    ({"world_size": 3, "tp": 3, "ep": 1}, "tp=3 does not divide num_attention_heads=4"),
+    ({"world_size": 4, "tp": 3, "ep": 1}, "world_size=4 must be tp=3 x replicas"),
+    ({"world_size": 2, "tp": 2, "ep": 1, "hierarchical_allreduce": 2}, "parallel.hierarchical_allreduce"),
+])
+def test_bad_layouts_fail_at_compile_time_naming_the_numbers(tmp_path, parallel, message):
+    from deepinfer.compiler.build import plan
+
+    with pytest.raises(RecipeError, match=message):
+        plan(load_recipe(write_recipe(tmp_path, "bad", parallel=parallel)))
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def test_killed_follower_stops_the_job_within_10_seconds(bundles):
+    shm_before = set(os.listdir("/dev/shm"))
+    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
+    leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundles["ws4_tp1_ep4"]), *many,
+                               "--max-tokens", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(children(leader.pid)) < 3:
+            assert time.monotonic() < deadline and leader.poll() is None
+            time.sleep(0.1)
+        time.sleep(8)  # loaded and generating (40 prompts x 200 tokens takes far longer)
+        assert leader.poll() is None, leader.stderr.read()
+        followers = sorted(children(leader.pid))
+        os.kill(followers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = leader.communicate(timeout=30)
+        assert time.monotonic() - killed < 10
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+    assert leader.returncode != 0
+    assert "was killed by SIGKILL; the job stops" in stderr and "rank " in stderr
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                   for pid in followers)  # the other followers are gone too
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_the_same_bundle_runs_under_torchrun(bundles, checkpoint):
+    hf, _ = checkpoint
+    args = [a for p in PROMPTS[:2] for a in ("--prompt-ids", ",".join(map(str, p)))]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "deepinfer.runtime.cli", "--bundle", str(bundles["ws2_tp2_ep2"]), *args,
+                             "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    body = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    direct = json.loads(run_bundle(bundles["ws2_tp2_ep2"]).stdout)["results"][:2]
+    assert [r["token_ids"] for r in body["results"]] == [r["token_ids"] for r in direct]

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.models import Layout, LayoutError, build_model
-from deepinfer.models.parallel import rank_buffers, shard
+from deepinfer.models import Layout, LayoutError, build_model, param_dtype_of, read_weight
+from deepinfer.models.checkpoint import SafetensorsDir
+from deepinfer.models.parallel import shard
 from deepinfer.runtime.errors import DeepinferError
 from deepinfer.runtime.manifest import KVSpec, Manifest, Program, Region, ScheduleStep, TensorSpec
 from deepinfer.runtime.versions import toolchain_versions
@@ -24,6 +25,7 @@ from .fingerprint import fingerprint
 from .pool import Job, JobResult, run_jobs
 from .recipe import Recipe, RecipeError
 from .split import export_region, input_values, output_values, split_unit
+from .weights import write_rank_files
 
 
 class CompileFailed(DeepinferError):
@@ -155,18 +157,43 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
     return artifacts, len(the_plan.regions) - len(todo)
 
 
-def rank_tensors(model, names: list[str], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
-    """Rank's slice of every weight the regions take, cut from the full (single-rank) model."""
-    buffers = rank_buffers(layout, model.config, rank)
-    out = {}
+def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
+    """write_weights(directory) for the bundle: per-rank files streamed from the checkpoint (only each
+    rank's slices are read), or cut from the random model of a config + seed recipe."""
+    full = _model(recipe, "meta")  # full shapes; derived buffers (rope frequencies) are real
+    sharded = _model(recipe, "meta", layout)
+    specs = []
     for name in names:
-        owner, _, leaf = name.rpartition(".")
-        if leaf in buffers:
-            out[name] = buffers[leaf].clone()  # one value per layer: safetensors refuses shared memory
-        else:
-            full = getattr(model.get_submodule(owner), leaf)
-            out[name] = shard(name, full, layout, rank).clone() if layout.split(name) else full
-    return out
+        tensor = _tensor(sharded, name)
+        dtype = param_dtype_of(name, recipe.dtype) if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
+        specs.append((name, list(tensor.shape), dtype))
+    derived = dict(full.named_buffers())
+    checkpoint = recipe.model["checkpoint"]
+    if checkpoint:
+        weights = SafetensorsDir(Path(checkpoint))
+
+        def read_slice(name, rank):
+            if name in derived:
+                return derived[name]
+            shape = tuple(_tensor(full, name).shape)
+            split = layout.split(name)
+            part = None
+            if split:
+                size = shape[split[0]] // split[1]
+                part = (split[0], layout.shard_index(name, rank) * size, size)
+            return read_weight(weights, name, full.config, shape, part).to(param_dtype_of(name, recipe.dtype))
+    else:
+        model = _model(recipe, "cpu")
+
+        def read_slice(name, rank):
+            return shard(name, _tensor(model, name), layout, rank)
+
+    return lambda directory: write_rank_files(directory, specs, layout, full.config, read_slice)
+
+
+def _tensor(model, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner), leaf)
 
 
 def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,
@@ -178,9 +205,8 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     the_plan = plan(recipe)
     artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress)
 
-    model = _model(recipe, "cpu")
     layout = _layout(recipe)
-    rank_weights = [rank_tensors(model, the_plan.weight_names, layout, rank) for rank in range(layout.world_size)]
+    cfg = the_plan.model_config
     checkpoint = recipe.model["checkpoint"]
     tokenizer = Path(checkpoint) / "tokenizer.json" if checkpoint else None
     tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
@@ -191,9 +217,9 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
         parallel=recipe.parallel, buckets=recipe.buckets, kv=the_plan.kv, programs=the_plan.programs, regions=regions,
         weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if tokenizer else None,
-        vocab_size=model.config.vocab_size, eos_token_id=model.config.eos_token_id,
+        vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
     )
-    write_bundle(recipe.output, manifest, artifacts, rank_weights, tokenizer)
+    write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan.weight_names, layout), tokenizer)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
     return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
                    time.perf_counter() - start, recipe.output)

@@ -5,14 +5,12 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from deepinfer.runtime.manifest import Manifest, sha256_file
 
 
-def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], rank_weights: list[dict[str, torch.Tensor]],
+def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], write_weights,
                  tokenizer_file: Path | None) -> Path:
+    """`write_weights(directory)` writes the manifest's weight files into `directory`."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"
@@ -22,8 +20,7 @@ def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], r
         (staging / "weights").mkdir()
         for fingerprint, region in manifest.regions.items():
             shutil.copyfile(region_files[fingerprint], staging / region.file)
-        for rank, weights in enumerate(rank_weights):
-            save_file({name: t.contiguous() for name, t in weights.items()}, staging / manifest.weight_files[rank])
+        write_weights(staging / "weights")
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, staging / manifest.tokenizer)
         manifest.files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}

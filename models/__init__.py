@@ -21,6 +21,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ARCHS = ("deepseek_v3",)
 
 
+def param_dtype_of(name: str, dtype: str) -> torch.dtype:
+    return torch.float32 if name.endswith(DeepseekV3.FLOAT32_PARAMS) else DTYPES[dtype]
+
+
 def build_model(
     arch: str = "deepseek_v3",
     checkpoint: str | Path | None = None,
@@ -57,11 +61,11 @@ def build_model(
     weights = SafetensorsDir(Path(checkpoint)) if checkpoint is not None and device == "cpu" else None
     with FakeTensorMode() if device == "fake" else nullcontext():
         for name, param in list(model.named_parameters()):
-            param_dtype = torch.float32 if name.endswith(DeepseekV3.FLOAT32_PARAMS) else DTYPES[dtype]
+            param_dtype = param_dtype_of(name, dtype)
             if weights is None:
                 tensor = torch.empty(param.shape, dtype=param_dtype)
             else:
-                tensor = _checkpoint_tensor(weights, name, cfg, tuple(param.shape)).to(param_dtype)
+                tensor = read_weight(weights, name, cfg, tuple(param.shape)).to(param_dtype)
             set_parameter(model, name, tensor)
         model.tie_weights()
         init_buffers(model)
@@ -70,29 +74,40 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def _checkpoint_tensor(weights: SafetensorsDir, name: str, cfg: DeepseekV3Config, shape: tuple) -> torch.Tensor:
-    """Our parameter `name`, read from HF's per-expert checkpoint layout and shape-checked."""
+def read_weight(weights: SafetensorsDir, name: str, cfg: DeepseekV3Config, shape: tuple,
+                part: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Our parameter `name` (full `shape`), read from HF's per-expert checkpoint layout and
+    shape-checked; with part=(dim, start, length) only that slice is read."""
     layer, _, rest = name.partition(".mlp.experts_")
     if rest:  # stacked routed experts [E, out, in] from model.layers.N.mlp.experts.E.*_proj.weight
         prefix = f"model.{layer}.mlp.experts"
         parts = ("gate_proj", "up_proj") if rest == "gate_up" else ("down_proj",)
-        keys = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(shape[0])]
+        first, count = (part[1], part[2]) if part else (0, shape[0])
         per_expert_shape = (shape[1] // len(parts), shape[2])
-        tensor = torch.stack([torch.cat([_read(weights, k, per_expert_shape) for k in expert]) for expert in keys])
-        return tensor
+        return torch.stack([torch.cat([_read(weights, f"{prefix}.{e}.{p}.weight", per_expert_shape) for p in parts])
+                            for e in range(first, first + count)])
+    if name == "head.lm_head.weight" and cfg.tie_word_embeddings:
+        name = "embed.weight"
     key = {"embed.weight": "model.embed_tokens.weight", "head.norm.weight": "model.norm.weight",
            "head.lm_head.weight": "lm_head.weight"}.get(name, f"model.{name}")
-    return _read(weights, key, shape)
+    if part is None:
+        return _read(weights, key, shape)
+    _check_shape(weights, key, shape)
+    return weights.get_slice(key, *part)
 
 
 def _read(weights: SafetensorsDir, key: str, shape: tuple) -> torch.Tensor:
-    tensor = weights.get(key)
-    if tuple(tensor.shape) != shape:
+    _check_shape(weights, key, shape)
+    return weights.get(key)
+
+
+def _check_shape(weights: SafetensorsDir, key: str, shape: tuple):
+    found = tuple(weights.get_shape(key))
+    if found != tuple(shape):
         raise CheckpointError(
-            f"{weights.file_of(key)}: weight {key!r} has shape {list(tensor.shape)}, but config.json implies {list(shape)}. "
+            f"{weights.file_of(key)}: weight {key!r} has shape {list(found)}, but config.json implies {list(shape)}. "
             "The config and the weights come from different models."
         )
-    return tensor
 
 
 __all__ = ["build_model", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config", "Layout", "LayoutError",

@@ -53,6 +53,17 @@ class SafetensorsDir:
             raise CheckpointError(f"{self.directory}: weight {key!r} is missing from every *.safetensors file. Is the checkpoint complete?")
         return self._handles[self._file_of[key]].get_tensor(key)
 
+    def get_slice(self, key: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows or columns [start, start + length) of a 2-D weight, reading only those bytes."""
+        self.get_shape(key)  # names a missing key
+        view = self._handles[self._file_of[key]].get_slice(key)
+        return view[start : start + length] if dim == 0 else view[:, start : start + length]
+
+    def get_shape(self, key: str) -> list[int]:
+        if key not in self._file_of:
+            self.get(key)  # raises the missing-key error
+        return self._handles[self._file_of[key]].get_slice(key).get_shape()
+
     def file_of(self, key: str) -> Path:
         return self._file_of[key]
 

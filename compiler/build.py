@@ -22,6 +22,7 @@ from .backends import backend_module
 from .bundle import write_bundle
 from .cache import CompileCache
 from .fingerprint import fingerprint
+from .pack import pack_collectives
 from .pool import Job, JobResult, run_jobs
 from .recipe import Recipe, RecipeError
 from .split import export_region, input_values, output_values, split_unit
@@ -98,6 +99,8 @@ def plan(recipe: Recipe) -> Plan:
         split[key] = (unit_regions, fps)
     hierarchical = bool(recipe.parallel["hierarchical_allreduce"])
     schedules = {p.key: _schedule(p, split, hierarchical) for p in programs}
+    for program in schedules.values():
+        program.steps = pack_collectives(program.steps, _dtypes(program, regions))
     cfg = model.config
     kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], cfg.num_hidden_layers,
                 [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
@@ -126,6 +129,17 @@ def _schedule(program: trace.TracedProgram, split: dict, hierarchical: bool) -> 
                 collective = {**collective, "hierarchical": True}
             steps.append(ScheduleStep(fps[r], [name(ref) for ref in region.inputs], outputs, collective))
     return Program(program.method, program.bucket, program.inputs, program.output, steps)
+
+
+def _dtypes(program: Program, regions: dict) -> dict[str, str]:
+    """Value name -> dtype, from the region outputs (a collective keeps its input's dtype)."""
+    dtypes = {}
+    for step in program.steps:
+        if step.collective:
+            dtypes.update({o: dtypes.get(i) for i, o in zip(step.inputs, step.outputs)})
+        else:
+            dtypes.update({o: str(v.dtype) for o, v in zip(step.outputs, output_values(regions[step.region]))})
+    return dtypes
 
 
 def _spec(value: torch.Tensor) -> TensorSpec:

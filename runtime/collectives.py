@@ -54,18 +54,24 @@ def _(x, group, dim, group_size):
 COLLECTIVE_OPS = {"deepinfer.all_reduce.default": "all_reduce", "deepinfer.all_gather.default": "all_gather"}
 
 
-def run_collective(spec: dict, x: torch.Tensor) -> torch.Tensor:
-    """Execute one schedule step's collective on a region output (ours to overwrite)."""
+def run_collective(spec: dict, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Execute one schedule step's collective on region outputs (ours to overwrite). Several inputs
+    (a packed step) travel flattened in one collective and are unpacked after."""
     group = _group(spec["group"])
+    flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
+    sizes = [x.numel() for x in xs]
     if spec["op"] == "all_reduce":
         if spec.get("hierarchical"):
-            return hierarchical_all_reduce(x, spec["group"])
-        dist.all_reduce(x, group=group)
-        return x
+            flat = hierarchical_all_reduce(flat, spec["group"])
+        else:
+            dist.all_reduce(flat, group=group)
+        return tuple(part.view_as(x) for part, x in zip(flat.split(sizes), xs))
     if spec["op"] == "all_gather":
-        parts = [torch.empty_like(x) for _ in range(spec["group_size"])]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=spec["dim"])
+        ranks = [torch.empty_like(flat) for _ in range(spec["group_size"])]
+        dist.all_gather(ranks, flat, group=group)
+        per_rank = [r.split(sizes) for r in ranks]  # [rank][input]
+        return tuple(torch.cat([per_rank[r][i].view_as(x) for r in range(len(ranks))], dim=spec["dim"])
+                     for i, x in enumerate(xs))
     raise ValueError(f"unknown collective {spec['op']!r}")
 
 

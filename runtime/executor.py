@@ -65,7 +65,7 @@ class BundleExecutor:
             if step.collective:
                 spec = step.collective
                 label = f"{spec['op']}:{spec['group']}"
-                calls.append(_Call(lambda x, spec=spec: (run_collective(spec, x),), label, args, outputs))
+                calls.append(_Call(lambda *xs, spec=spec: run_collective(spec, *xs), label, args, outputs))
             else:
                 calls.append(_Call(functions[step.region], step.region, args, outputs))
         return _Plan(calls, len(slots), slots[program.output])

@@ -1,16 +1,19 @@
 # make demo   set up, compile the tiny recipe with AOTInductor, generate from the bundle
 # make test   set up, then run the whole suite
+# make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test
+PIP_TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test compile-all
 
 setup: $(VENV)/.installed
 
 # torch==2.13.0 is the CPU build on this machine's disk; a bare `torch` would pull a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q $(PIP_TORCH)
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
@@ -20,3 +23,8 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+compile-all: setup
+	@status=0; for recipe in recipes/*.yaml; do \
+		$(VENV)/bin/deepinfer-compile $$recipe || { status=1; $(VENV)/bin/deepinfer-compile bisect $$recipe; }; \
+	done; exit $$status

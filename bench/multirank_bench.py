@@ -13,6 +13,7 @@ ranks oversubscribe it: read the ws 2/4 times as overheads, not as speedups.
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -153,7 +154,7 @@ def main():
         return
     with tempfile.TemporaryDirectory(prefix="deepinfer-mr-bench-") as tmp:
         rows = decode_by_world_size(Path(tmp), args.jobs)
-    print(f"\ndecode, ~100M config, batch 1, inductor bundles, torch {torch.__version__}, {torch.get_num_threads()} threads a rank")
+    print(f"\ndecode, ~100M config, batch 1, inductor bundles, torch {torch.__version__}, {os.cpu_count()} cores shared by the ranks")
     print(f"{'ws':>3} {'tp':>3} {'ep':>3} {'ms/token':>9} {'region calls':>13} {'collectives before/after packing':>34}")
     for r in rows:
         print(f"{r['world']:>3} {r['tp']:>3} {r['ep']:>3} {r['tpot_ms']:9.2f} {r['region_calls']:>13} "

@@ -45,6 +45,7 @@ class Plan:
     regions: dict[str, object]  # fingerprint -> region GraphModule (one per unique region)
     toolchain: dict
     backend_options: dict  # the backend's defaults merged with the recipe's
+    region_paths: dict  # fingerprint -> module path of the unit it came from ("layers.*"), for bisect
     weight_names: list[str]
     kv: KVSpec
     model_config: dict
@@ -88,7 +89,7 @@ def plan(recipe: Recipe) -> Plan:
     options = backend.options(recipe.backend_options)
     programs, units = trace.trace_programs(model, recipe.buckets, recipe.kv["max_seqs"], recipe.kv["max_len"], recipe.split_layers)
     split = {}
-    regions = {}
+    regions, region_paths = {}, {}
     for key, unit in units.items():
         unit_regions = split_unit(unit.program.graph_module, unit.module_path, recipe.boundaries)
         fps = ["" if r.collective else fingerprint(r.graph_module, recipe.backend, options, toolchain)
@@ -96,6 +97,7 @@ def plan(recipe: Recipe) -> Plan:
         for fp, region in zip(fps, unit_regions.regions):
             if fp:
                 regions.setdefault(fp, region.graph_module)
+                region_paths.setdefault(fp, unit.module_path)
         split[key] = (unit_regions, fps)
     hierarchical = bool(recipe.parallel["hierarchical_allreduce"])
     schedules = {p.key: _schedule(p, split, hierarchical) for p in programs}
@@ -105,7 +107,7 @@ def plan(recipe: Recipe) -> Plan:
     kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], cfg.num_hidden_layers,
                 [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
     weight_names = sorted({w for p in programs for call in p.calls for w in call.weights})
-    return Plan(schedules, regions, toolchain, options, weight_names, kv, cfg.to_dict(), units)
+    return Plan(schedules, regions, toolchain, options, region_paths, weight_names, kv, cfg.to_dict(), units)
 
 
 def _schedule(program: trace.TracedProgram, split: dict, hierarchical: bool) -> Program:

@@ -48,5 +48,42 @@ def build(recipe, out, backend, jobs, cache_dir, timeout):
     click.echo(f"compiled {summary}")
 
 
+@main.command("bisect")
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--region", help="bisect this region (fingerprint) only; default: every region that fails")
+@click.option("--timeout", default=300.0, show_default=True, help="seconds one trial compile may take (a hang is a failure)")
+@click.option("--out", type=click.Path(file_okay=False), help="report, repro and state (default: bisect/<recipe name>)")
+@click.option("--jobs", default=2, show_default=True, help="regions compiled in parallel when looking for failures")
+@click.option("--cache-dir", type=click.Path(file_okay=False))
+@click.option("--apply", is_flag=True, help="write the verified boundaries into RECIPE (only its regions: block changes)")
+def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply):
+    """Find the graph boundary that makes a backend compiler crash; resumable (state on disk)."""
+    from pathlib import Path
+
+    from deepinfer.runtime import knobs
+
+    from .bisect import bisect
+    from .cache import CompileCache
+    from .recipe import load_recipe
+
+    try:
+        loaded = load_recipe(recipe)
+        out = Path(out or f"bisect/{loaded.name}")
+        findings = bisect(loaded, Path(recipe), out, region, timeout, jobs, CompileCache(cache_dir or knobs.cache_dir()), apply)
+    except DeepinferError as err:
+        click.echo(f"deepinfer-compile bisect: {err}", err=True)
+        sys.exit(err.exit_code)
+    if not findings:
+        click.echo("every region compiles; nothing to bisect")
+        return
+    for f in findings:
+        click.echo(f"region {f.region}: {f.signature}; {f.trials} trials, {f.seconds:.1f} s")
+        if f.boundary:
+            state = "verified" if f.boundary_verified else "NOT verified"
+            click.echo(f"  ops: {', '.join(o['target'] for o in f.ops)}\n  boundary ({state}): {f.boundary}")
+    click.echo(f"report: {out}/report.md" + ("; boundaries applied to " + recipe if apply else ""))
+    sys.exit(0 if all(f.boundary_verified for f in findings) else 1)
+
+
 if __name__ == "__main__":
     main()

@@ -4,15 +4,18 @@
 
 Exit 0 with OUT written (atomically), or non-zero with the backend's own error on stderr.
 
-`options.inject_fault: {ops: [PREFIX, ...], action: segfault|hang|error}` is a TESTING AID for
-the failure paths (reports, bisect): the worker fails when the region holds, for EVERY prefix, a
-node whose target starts with it. Production recipes never need it.
+`options.inject_fault: {ops: [PREFIX, ...], action: segfault|hang|error|flaky}` is a TESTING AID
+for the failure paths (reports, bisect): the worker fails when the region holds, for EVERY prefix,
+a node whose target starts with it. `flaky` alternates segfault and error from one run to the
+next (a counter file in the temp dir), to exercise non-determinism detection. Production recipes
+never need it.
 """
 
 import ctypes
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +32,11 @@ def inject_fault(program: torch.export.ExportedProgram, fault: dict):
     if not all(any(t.startswith(prefix) for t in targets) for prefix in fault["ops"]):
         return
     action = fault.get("action", "error")
+    if action == "flaky":
+        counter = Path(tempfile.gettempdir()) / f"deepinfer-flaky-{'-'.join(fault['ops']).replace('/', '_')}"
+        runs = int(counter.read_text()) + 1 if counter.exists() else 1
+        counter.write_text(str(runs))
+        action = "segfault" if runs % 2 else "error"
     if action == "segfault":
         sys.stderr.flush()
         ctypes.string_at(0)  # a real SIGSEGV in this process

@@ -78,6 +78,11 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
     except DeepinferError as err:
         click.echo(f"deepinfer-run: {err}", err=True)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        if isinstance(executor, Leader):
+            executor.shutdown(kill=True)  # followers may be waiting in a collective the leader left
+        click.echo("deepinfer-run: interrupted", err=True)
+        sys.exit(130)
     finally:
         if isinstance(executor, Leader):
             executor.shutdown()

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .errors import DeepinferError
@@ -87,6 +88,10 @@ class Leader:
                 addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             else:
                 addr, port = "127.0.0.1", _free_port()
+                # Ranks share this host's cores: W ranks each spinning up all cores' worth of
+                # OpenMP threads thrash (torchrun sets 1 for the same reason).
+                self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // self.world_size))
+                torch.set_num_threads(int(self.threads))
                 self._spawn(addr, port)
                 threading.Thread(target=self._watch, daemon=True).start()
             self.executor = join(self.bundle, 0, self.world_size, addr, port)
@@ -103,7 +108,7 @@ class Leader:
     def _spawn(self, addr: str, port: int):
         self.log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-ranks-"))
         for rank in range(1, self.world_size):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": addr,
+            env = {**os.environ, "OMP_NUM_THREADS": self.threads, "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": addr,
                    "MASTER_PORT": str(port), "DEEPINFER_RING": str(self.ring.path), "DEEPINFER_LEADER_PID": str(os.getpid())}
             log = self.log_dir / f"rank-{rank}.log"
             self.logs.append(log)
@@ -135,7 +140,9 @@ class Leader:
         return self.executor.run(step)
 
     def shutdown(self, kill: bool = False):
-        """Stop the followers: a stop record and a wait, or (kill) SIGKILL at once."""
+        """Stop the followers: a stop record and a wait, or (kill) SIGKILL at once. Idempotent."""
+        if self.stopping:
+            return
         self.stopping = True
         if not kill:  # spawned followers, or torchrun's
             try:

@@ -141,6 +141,7 @@ def test_killed_follower_stops_the_job_within_10_seconds(bundles):
         os.kill(followers[1], signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = leader.communicate(timeout=30)
+        print(f"leader exited {time.monotonic() - killed:.2f} s after its follower was killed")
         assert time.monotonic() - killed < 10
     finally:
         if leader.poll() is None:
@@ -163,3 +164,25 @@ def test_the_same_bundle_runs_under_torchrun(bundles, checkpoint):
     body = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
     direct = json.loads(run_bundle(bundles["ws2_tp2_ep2"]).stdout)["results"][:2]
     assert [r["token_ids"] for r in body["results"]] == [r["token_ids"] for r in direct]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
+def test_followers_end_with_the_leader(bundles, signum):
+    shm_before = set(os.listdir("/dev/shm"))
+    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
+    leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundles["ws2_tp2_ep2"]), *many,
+                               "--max-tokens", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not children(leader.pid):
+        assert time.monotonic() < deadline and leader.poll() is None
+        time.sleep(0.1)
+    followers = children(leader.pid)
+    time.sleep(6)
+    leader.send_signal(signum)
+    leader.communicate(timeout=30)
+    assert leader.returncode != 0
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in followers):
+        assert time.monotonic() < deadline, "a follower outlived its leader"
+        time.sleep(0.1)
+    assert set(os.listdir("/dev/shm")) <= shm_before

@@ -79,9 +79,11 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         click.echo(f"deepinfer-run: {err}", err=True)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
+        click.echo("deepinfer-run: interrupted", err=True)
         if isinstance(executor, Leader):
             executor.shutdown(kill=True)  # followers may be waiting in a collective the leader left
-        click.echo("deepinfer-run: interrupted", err=True)
+            sys.stderr.flush()
+            os._exit(130)  # tearing down a process group whose peers are gone can block
         sys.exit(130)
     finally:
         if isinstance(executor, Leader):

@@ -10,13 +10,16 @@ into it, compiled in its own process with the timeout, and must fail with the SA
 A boundary before the last op of the minimal span separates the culprits; it is named by op and
 module path (so it survives a re-trace), checked by re-planning the recipe with it and compiling
 the pieces, and written as a recipe patch. Every trial's result is kept in `state.json`, so an
-interrupted bisect resumes where it stopped.
+interrupted bisect resumes where it stopped. Each search round compiles `--jobs` cut points at
+once, in parallel worker processes.
 """
 
 import json
 import operator
 import shlex
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,8 +72,9 @@ def subgraph(graph_module: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModu
 
 
 class Bisector:
-    def __init__(self, recipe: Recipe, the_plan: Plan, fingerprint: str, out: Path, timeout: float):
-        self.recipe, self.plan, self.fp, self.timeout = recipe, the_plan, fingerprint, timeout
+    def __init__(self, recipe: Recipe, the_plan: Plan, fingerprint: str, out: Path, timeout: float, jobs: int = 1):
+        self.recipe, self.plan, self.fp, self.timeout, self.jobs = recipe, the_plan, fingerprint, timeout, max(1, jobs)
+        self.lock = threading.Lock()
         self.graph = the_plan.regions[fingerprint]
         self.unit_path = the_plan.region_paths[fingerprint]
         self.sequence = [n for n in self.graph.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
@@ -84,18 +88,20 @@ class Bisector:
         """'ok' or the failure signature of nodes [start, end) compiled on their own (remembered)."""
         key = f"{start}:{end}" + (f"#{attempt}" if attempt else "")
         if key not in self.state:
-            result = self._compile(key, subgraph(self.graph, self.sequence[start:end]))
-            self.state[key] = "ok" if result.ok else result.signature
-            tmp = self.state_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.state, indent=1))
-            tmp.replace(self.state_path)
+            result = self._compile(key, start, end)
+            with self.lock:  # trials run in parallel threads
+                self.state[key] = "ok" if result.ok else result.signature
+                tmp = self.state_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.state, indent=1))
+                tmp.replace(self.state_path)
         return self.state[key]
 
-    def _compile(self, key: str, graph_module: fx.GraphModule) -> JobResult:
-        self.trials += 1
+    def _compile(self, key: str, start: int, end: int) -> JobResult:
         work = self.dir / "trials" / key.replace(":", "-").replace("#", "-")
         work.mkdir(parents=True, exist_ok=True)
-        torch.export.save(export_region(graph_module), work / "region.ep.pt2")
+        with self.lock:  # tracing is not thread-safe; only the compile workers run in parallel
+            self.trials += 1
+            torch.export.save(export_region(subgraph(self.graph, self.sequence[start:end])), work / "region.ep.pt2")
         job = Job(f"{self.fp}[{key}]", work / "region.ep.pt2", work / "artifact", self.recipe.backend,
                   self.plan.backend_options, work / "compile.log")
         return run_job(job, self.timeout)
@@ -122,25 +128,28 @@ class Bisector:
         finding.trials, finding.seconds = self.trials, time.perf_counter() - start_time
         return finding
 
-    def _shortest_failing_prefix(self, signature: str) -> int:
-        lo, hi = 1, len(self.sequence)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.trial(0, mid) == signature:
-                hi = mid
-            else:
-                lo = mid + 1
+    def _smallest(self, lo: int, hi: int, fails) -> int:
+        """Smallest x in [lo, hi] with fails(x), for fails monotone and fails(hi) known true. Each
+        round tries `jobs` cut points at once (independent trials, in parallel)."""
+        with ThreadPoolExecutor(self.jobs) as pool:
+            while lo < hi:
+                points = sorted({lo + (hi - lo) * t // (self.jobs + 1) for t in range(1, self.jobs + 1)} - {hi}) or [lo]
+                results = dict(zip(points, pool.map(fails, points)))
+                failing = [p for p in points if results[p]]
+                if failing:
+                    hi = failing[0]
+                    lo = max([p + 1 for p in points if p < hi] + [lo])
+                else:
+                    lo = points[-1] + 1
         return hi
 
+    def _shortest_failing_prefix(self, signature: str) -> int:
+        return self._smallest(1, len(self.sequence), lambda end: self.trial(0, end) == signature)
+
     def _latest_failing_start(self, signature: str, end: int) -> int:
-        lo, hi = 0, end - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.trial(mid, end) == signature:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        # Moving the start back only grows the span, so "fails" is monotone in the distance back.
+        back = self._smallest(0, end - 1, lambda k: self.trial(end - 1 - k, end) == signature)
+        return end - 1 - back
 
     def _write_repro(self, begin: int, end: int, signature: str) -> Path:
         from deepinfer.runtime.versions import toolchain_versions
@@ -232,7 +241,7 @@ def bisect(recipe: Recipe, recipe_path: Path, out: Path, region: str | None, tim
             failing = [f.job.name for f in err.failures]
     findings = []
     for fp in failing:
-        finding = Bisector(recipe, the_plan, fp, out, timeout).run()
+        finding = Bisector(recipe, the_plan, fp, out, timeout, jobs).run()
         if finding.boundary:
             # Verification compiles the whole recipe with the boundary: when it passes, the other
             # failing regions (often the same layer kind at other buckets) are fixed by it too.

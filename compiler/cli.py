@@ -53,7 +53,7 @@ def build(recipe, out, backend, jobs, cache_dir, timeout):
 @click.option("--region", help="bisect this region (fingerprint) only; default: every region that fails")
 @click.option("--timeout", default=300.0, show_default=True, help="seconds one trial compile may take (a hang is a failure)")
 @click.option("--out", type=click.Path(file_okay=False), help="report, repro and state (default: bisect/<recipe name>)")
-@click.option("--jobs", default=2, show_default=True, help="regions compiled in parallel when looking for failures")
+@click.option("--jobs", default=2, show_default=True, help="trials (and regions, when looking for failures) compiled in parallel")
 @click.option("--cache-dir", type=click.Path(file_okay=False))
 @click.option("--apply", is_flag=True, help="write the verified boundaries into RECIPE (only its regions: block changes)")
 def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply):

@@ -74,7 +74,7 @@ def test_hang_is_bisected_by_timeout_and_resumes_from_state(tmp_path, cache_dir)
     recipe = load_recipe(faulty(tmp_path, ["aten.cos", "aten.sin"], "hang"))
     the_plan = plan(recipe)
     embed = the_plan.programs["decode/1"].steps[0].region
-    first = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=6).run()
+    first = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=15).run()
     assert first.signature == "timeout"
     assert [op["target"] for op in first.ops][0] == "aten.cos.default" and first.ops[-1]["target"] == "aten.sin.default"
     assert first.boundary == {"op": "aten.sin", "module": "embed"}
@@ -83,7 +83,7 @@ def test_hang_is_bisected_by_timeout_and_resumes_from_state(tmp_path, cache_dir)
     state = json.loads(state_file.read_text())
     kept = dict(list(state.items())[: len(state) // 2])
     state_file.write_text(json.dumps(kept))
-    again = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=6).run()
+    again = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=15).run()
     assert (again.ops, again.boundary) == (first.ops, first.boundary)
     assert again.trials == len(state) - len(kept)
 

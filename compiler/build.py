@@ -5,7 +5,7 @@
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,7 +49,6 @@ class Plan:
     weight_names: list[str]
     kv: KVSpec
     model_config: dict
-    units: dict = field(repr=False, default_factory=dict)
 
 
 @dataclass
@@ -107,7 +106,7 @@ def plan(recipe: Recipe) -> Plan:
     kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], cfg.num_hidden_layers,
                 [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
     weight_names = sorted({w for p in programs for call in p.calls for w in call.weights})
-    return Plan(schedules, regions, toolchain, options, region_paths, weight_names, kv, cfg.to_dict(), units)
+    return Plan(schedules, regions, toolchain, options, region_paths, weight_names, kv, cfg.to_dict())
 
 
 def _schedule(program: trace.TracedProgram, split: dict, hierarchical: bool) -> Program:

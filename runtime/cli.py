@@ -82,6 +82,7 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         click.echo("deepinfer-run: interrupted", err=True)
         if isinstance(executor, Leader):
             executor.shutdown(kill=True)  # followers may be waiting in a collective the leader left
+        if peek_world_size(Path(bundle)) > 1:  # (a Leader interrupted while starting killed them itself)
             sys.stderr.flush()
             os._exit(130)  # tearing down a process group whose peers are gone can block
         sys.exit(130)

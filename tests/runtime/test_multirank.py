@@ -166,8 +166,9 @@ def test_the_same_bundle_runs_under_torchrun(bundles, checkpoint):
     assert [r["token_ids"] for r in body["results"]] == [r["token_ids"] for r in direct]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
-def test_followers_end_with_the_leader(bundles, signum):
+@pytest.mark.parametrize("signum, after", [(signal.SIGINT, 0.5), (signal.SIGINT, 6), (signal.SIGKILL, 6)],
+                         ids=["ctrl-c-while-starting", "ctrl-c-while-generating", "killed"])
+def test_followers_end_with_the_leader(bundles, signum, after):
     shm_before = set(os.listdir("/dev/shm"))
     many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
     leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundles["ws2_tp2_ep2"]), *many,
@@ -177,7 +178,7 @@ def test_followers_end_with_the_leader(bundles, signum):
         assert time.monotonic() < deadline and leader.poll() is None
         time.sleep(0.1)
     followers = children(leader.pid)
-    time.sleep(6)
+    time.sleep(after)
     leader.send_signal(signum)
     leader.communicate(timeout=30)
     assert leader.returncode != 0

@@ -179,7 +179,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
     sharded = _model(recipe, "meta", layout)
     specs = []
     for name in names:
-        tensor = _tensor(sharded, name)
+        tensor = trace.tensor_at(sharded, name)
         dtype = param_dtype_of(name, recipe.dtype) if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
         specs.append((name, list(tensor.shape), dtype))
     derived = dict(full.named_buffers())
@@ -190,7 +190,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
         def read_slice(name, rank):
             if name in derived:
                 return derived[name]
-            shape = tuple(_tensor(full, name).shape)
+            shape = tuple(trace.tensor_at(full, name).shape)
             split = layout.split(name)
             part = None
             if split:
@@ -201,14 +201,9 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
         model = _model(recipe, "cpu")
 
         def read_slice(name, rank):
-            return shard(name, _tensor(model, name), layout, rank)
+            return shard(name, trace.tensor_at(model, name), layout, rank)
 
     return lambda directory: write_rank_files(directory, specs, layout, full.config, read_slice)
-
-
-def _tensor(model, name: str) -> torch.Tensor:
-    owner, _, leaf = name.rpartition(".")
-    return getattr(model.get_submodule(owner), leaf)
 
 
 def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,

@@ -117,7 +117,7 @@ def _record_driver(model, method, bucket, inputs, kv, units, canonical) -> Trace
             units[key] = _export(_Call(module), args, key, re.sub(r"\.\d+$", ".*", path))
         out_names = [f"{path}:{j}" for j in range(len(outputs))]
         names.update({id(t): n for t, n in zip(outputs, out_names)})
-        weights = [canonical[id(_tensor(module, w))] for w in units[key].weight_names]
+        weights = [canonical[id(tensor_at(module, w))] for w in units[key].weight_names]
         program.calls.append(UnitCall(key, path, [names[id(a)] for a in args], out_names, weights))
     program.output = names[id(result)]
     return program
@@ -126,7 +126,7 @@ def _record_driver(model, method, bucket, inputs, kv, units, canonical) -> Trace
 def _whole_method(model, method, bucket, inputs, kv, units, canonical) -> TracedProgram:
     key = f"model/{method}/{bucket}"
     units[key] = _export(_Call(model, method, len(inputs)), (*inputs, *kv), key, "")
-    weights = [canonical[id(_tensor(model, w))] for w in units[key].weight_names]
+    weights = [canonical[id(tensor_at(model, w))] for w in units[key].weight_names]
     arg_names = list(STEP_INPUTS[method]) + [f"kv.{i}" for i in range(len(kv))]
     call = UnitCall(key, "", arg_names, ["model:0"], weights)
     return TracedProgram(method, bucket, list(STEP_INPUTS[method]), "model:0", [call])
@@ -141,7 +141,7 @@ def _export(wrapper: _Call, args, key: str, module_path: str) -> Unit:
     return Unit(key, module_path, program, weight_names)
 
 
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+def tensor_at(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer `name` (dotted) of module."""
     owner, _, leaf = name.rpartition(".")
     return getattr(module.get_submodule(owner), leaf)

@@ -76,7 +76,8 @@ class BundleExecutor:
             raise BundleError(f"{self.bundle}: no program for {step.method} with bucket {step.bucket}; "
                               f"compiled buckets are {self.manifest.buckets.get(step.method)}.")
         values = [None] * plan.n_values
-        values[: len(step.inputs())] = step.inputs()
+        inputs = step.inputs()
+        values[: len(inputs)] = inputs
         timed = self.host_seconds is not None or self.trace_events is not None
         for call in plan.calls:
             args = [values[a] if type(a) is int else a for a in call.args]

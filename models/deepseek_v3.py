@@ -82,7 +82,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class InputEmbedding(nn.Module):
-    """Token embedding plus this step's rope angles, shared by every layer."""
+    """Token embedding plus this step's rope angles, shared by every layer, and the first layer's
+    (zero) pending sub-layer output: see DecoderLayer."""
 
     def __init__(self, config: DeepseekV3Config):
         super().__init__()
@@ -101,7 +102,7 @@ class InputEmbedding(nn.Module):
         angles = positions[:, None].float() * self.inv_freq[None, :]  # [T, r/2]
         cos = (angles.cos() * self.attention_factor).to(h.dtype)
         sin = (angles.sin() * self.attention_factor).to(h.dtype)
-        return h, cos, sin
+        return h, torch.zeros_like(h), cos, sin
 
 
 def linear(dim_in: int, dim_out: int, bias: bool = False) -> nn.Linear:
@@ -259,7 +260,12 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + (dense MLP | MoE). `kind` names what the compiler traces once."""
+    """Pre-norm attention + (dense MLP | MoE). `kind` names what the compiler traces once.
+
+    The residual stream enters as `h + pending`: a layer returns its MLP/MoE output unadded, and the
+    next layer (or the head) adds it first. That output ends in an all-reduce on multi-rank layouts,
+    so the add joins the next region instead of being a one-op region of its own after each layer.
+    """
 
     def __init__(self, config: DeepseekV3Config, moe: bool, layout: Layout = Layout()):
         super().__init__()
@@ -273,9 +279,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size // tp, "tp" if tp > 1 else None)
 
-    def forward(self, h, cos, sin, positions, write_slots, read_slots, kv):
+    def forward(self, h, pending, cos, sin, positions, write_slots, read_slots, kv):
+        h = h + pending
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, write_slots, read_slots, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h, self.mlp(self.post_attention_layernorm(h))
 
 
 class LMHead(nn.Module):
@@ -287,10 +294,11 @@ class LMHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = linear(config.hidden_size, config.vocab_size // tp)
 
-    def forward(self, h, last_index=None):
-        """h [T, D] -> logits [T, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
+    def forward(self, h, pending, last_index=None):
+        """h + pending [T, D] -> logits [T, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
         if last_index is not None:
-            h = h.index_select(0, last_index)
+            h, pending = h.index_select(0, last_index), pending.index_select(0, last_index)
+        h = h + pending
         logits = self.lm_head(self.norm(h)).float()  # [T, V / tp]
         return torch.ops.deepinfer.all_gather(logits, "tp", -1, self.tp) if self.tp > 1 else logits
 
@@ -319,16 +327,16 @@ class DeepseekV3(nn.Module):
         return [torch.zeros(shape, dtype=self.embed.weight.dtype) for _ in self.layers]
 
     def prefill(self, tokens, positions, write_slots, read_slot, last_index, kv):
-        h, cos, sin = self.embed(tokens, positions)
+        h, pending, cos, sin = self.embed(tokens, positions)
         for layer, layer_kv in zip(self.layers, kv):
-            h = layer(h, cos, sin, positions, write_slots, read_slot, layer_kv)
-        return self.head(h, last_index)  # [1, V]
+            h, pending = layer(h, pending, cos, sin, positions, write_slots, read_slot, layer_kv)
+        return self.head(h, pending, last_index)  # [1, V]
 
     def decode(self, tokens, positions, slots, kv):
-        h, cos, sin = self.embed(tokens, positions)
+        h, pending, cos, sin = self.embed(tokens, positions)
         for layer, layer_kv in zip(self.layers, kv):
-            h = layer(h, cos, sin, positions, slots, slots, layer_kv)
-        return self.head(h)  # [B, V]
+            h, pending = layer(h, pending, cos, sin, positions, slots, slots, layer_kv)
+        return self.head(h, pending)  # [B, V]
 
 
 def init_random(model: DeepseekV3, seed: int) -> DeepseekV3:

@@ -108,11 +108,11 @@ def test_full_size_moe_layer_traces_on_meta_in_seconds():
             self.layer = layer
 
         def forward(self, *args):
-            return self.layer(*args[:5], args[4], args[5])
+            return self.layer(*args[:6], args[5], args[6])
 
     with torch.device("meta"):
-        args = (torch.randn(4, 7168), torch.randn(4, 32), torch.randn(4, 32), torch.zeros(4, dtype=torch.long),
-                torch.zeros(4, dtype=torch.long), torch.zeros(5, 4096, 576))
+        args = (torch.randn(4, 7168), torch.randn(4, 7168), torch.randn(4, 32), torch.randn(4, 32),
+                torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(5, 4096, 576))
     start = time.perf_counter()
     torch.export.export(Decode(), args)
     assert time.perf_counter() - start < 60  # generous for a loaded CI machine; ~2 s here

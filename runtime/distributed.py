@@ -1,5 +1,6 @@
-"""Process groups for a bundle's layout: gloo on CPU, nccl on CUDA; every rank creates every group
-in the same order (torch.distributed requires it), then keeps its own."""
+"""Process groups for a bundle's layout: gloo, since bundles run on the CPU (a CUDA bundle would
+take nccl; those are not built yet). Every rank creates every group in the same order
+(torch.distributed requires it), then keeps its own."""
 
 from datetime import timedelta
 
@@ -8,11 +9,11 @@ import torch.distributed as dist
 from .collectives import set_groups
 
 
-def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_port: int, backend: str = "gloo",
+def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_port: int,
                 node_size: int | None = None, timeout_s: float = 300):
     """`node_size` (ranks per node group) also makes the world.inner / world.outer groups of the
     hierarchical all-reduce."""
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     groups = {"world": dist.group.WORLD}
     groups["tp"] = _own_group([list(range(s, s + tp)) for s in range(0, world_size, tp)], rank)

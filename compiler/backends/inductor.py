@@ -1,4 +1,5 @@
-"""AOTInductor: C++ (CPU) or CUDA kernels packaged as a `.pt2`, loaded with aoti_load_package.
+"""AOTInductor: C++ kernels for the CPU packaged as a `.pt2`, loaded with aoti_load_package.
+(CUDA bundles are not built yet: they need a GPU to compile and check on.)
 
 `backend.options` are inductor configs (e.g. {"max_autotune": true}), merged over DEFAULTS.
 Weights are region inputs, so nothing is baked into the shared object and one artifact serves

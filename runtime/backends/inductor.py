@@ -1,4 +1,4 @@
-"""AOTInductor packages (`.pt2`): compiled C++/CUDA kernels, weights passed in as inputs."""
+"""AOTInductor packages (`.pt2`): compiled C++ kernels, weights passed in as inputs."""
 
 import torch._inductor
 

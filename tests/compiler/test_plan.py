@@ -52,6 +52,16 @@ def test_whole_graph_units_and_forced_boundaries(tmp_path):
     assert len(split.regions) == 4 * 5
 
 
+def test_multi_rank_layer_is_two_regions_between_its_all_reduces(tmp_path):
+    """At tp=2 a layer runs region, all-reduce, region, all-reduce: the residual add after each
+    all-reduce is inside the next region, never a one-op region of its own."""
+    sharded = plan(load_recipe(write_recipe(tmp_path, "tp2", parallel={"world_size": 2, "tp": 2, "ep": 2})))
+    kinds = [s.collective["op"] if s.collective else "region" for s in sharded.programs["decode/1"].steps]
+    embed, layers, head = kinds[:1], kinds[1:-2], kinds[-2:]
+    assert embed == ["region"] and head == ["region", "all_gather"]
+    assert layers == ["region", "all_reduce"] * 2 * 3
+
+
 def test_golden_tiny_regions():
     """Pins what the tiny recipe compiles. When a change to the model or compiler is meant to change
     it, regenerate with `python -m tests.compiler.test_plan` and review the diff."""

@@ -5,10 +5,10 @@
 
 For each config it saves random weights as an HF checkpoint, compiles bundles from it (regions
 split per layer, and one whole graph per program), and prints per-token decode latency (batch 1,
-median over steps at positions 32..) for: the inductor bundle, the whole-graph bundle, our eager
+median over steps at positions 37..) for: the inductor bundle, the whole-graph bundle, our eager
 model, HF transformers eager, and torch.compile of our eager model; then the ratios the targets
 are stated in, the executor's host overhead per region call, and cold/warm compile seconds.
-All timings in one process, interleaved by config, on this machine's threads.
+All timings in one process on this machine's threads, the five paths taking turns in rounds.
 """
 
 import argparse
@@ -36,19 +36,28 @@ CONFIGS = {
         "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
 }
-PROMPT_LEN, STEPS, WARMUP = 32, 30, 5
+PROMPT_LEN, WARMUP, ROUNDS, STEPS_PER_ROUND = 32, 5, 10, 5
+STEPS = ROUNDS * STEPS_PER_ROUND
 MAX_SEQS, MAX_LEN = 2, 128
 
 
-def median_ms(step_fn) -> float:
+def interleaved_median_ms(step_fns: dict) -> dict[str, float]:
+    """Per-token ms of each decode path (name -> fn(position)). The paths take turns, ROUNDS rounds of
+    STEPS_PER_ROUND consecutive steps each, so a noisy stretch of this shared machine falls on all of
+    them alike while each still runs warm; median over all its steps."""
     for i in range(WARMUP):
-        step_fn(PROMPT_LEN + i)
-    times = []
-    for i in range(STEPS):
-        start = time.perf_counter()
-        step_fn(PROMPT_LEN + WARMUP + i)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for fn in step_fns.values():
+            fn(PROMPT_LEN + i)
+    times = {name: [] for name in step_fns}
+    position = PROMPT_LEN + WARMUP
+    for _ in range(ROUNDS):
+        for name, fn in step_fns.items():
+            for i in range(STEPS_PER_ROUND):
+                start = time.perf_counter()
+                fn(position + i)
+                times[name].append(time.perf_counter() - start)
+        position += STEPS_PER_ROUND
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def save_hf_checkpoint(config: dict, directory: Path):
@@ -97,8 +106,29 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
     bundle = BundleExecutor(split.bundle)
     whole_bundle = BundleExecutor(whole.bundle)
     make = decode_step(0)
-    row["bundle_ms"] = median_ms(lambda pos: bundle.run(make(pos)))
-    row["whole_graph_ms"] = median_ms(lambda pos: whole_bundle.run(make(pos)))
+    model = build_model(checkpoint=checkpoint)
+    kv = model.new_kv_cache(MAX_SEQS, MAX_LEN)
+    compiled_kv = model.new_kv_cache(MAX_SEQS, MAX_LEN)
+    with torch.inference_mode():
+        compiled = torch.compile(model.decode, dynamic=False)
+        start = time.perf_counter()
+        compiled(*make(PROMPT_LEN).inputs(), compiled_kv)
+        row["torch_compile_first_call_s"] = time.perf_counter() - start
+
+        cache_hf = hf(torch.randint(0, config["vocab_size"], (1, PROMPT_LEN)), use_cache=True).cache
+
+        def hf_step(pos):
+            nonlocal cache_hf
+            cache_hf = hf(torch.tensor([[7]]), cache=cache_hf, use_cache=True).cache
+
+        ms = interleaved_median_ms({
+            "bundle": lambda pos: bundle.run(make(pos)),
+            "whole_graph": lambda pos: whole_bundle.run(make(pos)),
+            "our_eager": lambda pos: model.decode(*make(pos).inputs(), kv),
+            "torch_compile": lambda pos: compiled(*make(pos).inputs(), compiled_kv),
+            "hf_eager": hf_step,
+        })
+    row.update({f"{name}_ms": value for name, value in ms.items()})
 
     # Host overhead: a step's wall time minus the time spent inside the region functions.
     bundle.host_seconds = {}
@@ -111,27 +141,6 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
     inside = sum(bundle.host_seconds.values())
     row["host_overhead_us_per_call"] = (sum(step_times) - inside) / (STEPS * calls) * 1e6
     row["region_calls_per_step"] = calls
-
-    model = build_model(checkpoint=checkpoint)
-    kv = model.new_kv_cache(MAX_SEQS, MAX_LEN)
-    with torch.inference_mode():
-        row["our_eager_ms"] = median_ms(lambda pos: model.decode(*make(pos).inputs(), kv))
-        compiled = torch.compile(model.decode, dynamic=False)
-        start = time.perf_counter()
-        compiled(*make(PROMPT_LEN).inputs(), kv)
-        row["torch_compile_first_call_s"] = time.perf_counter() - start
-        row["torch_compile_ms"] = median_ms(lambda pos: compiled(*make(pos).inputs(), kv))
-
-        cache_hf = None
-        ids = torch.randint(0, config["vocab_size"], (1, PROMPT_LEN))
-        out = hf(ids, use_cache=True)
-        cache_hf = out.cache
-
-        def hf_step(pos):
-            nonlocal cache_hf
-            cache_hf = hf(torch.tensor([[7]]), cache=cache_hf, use_cache=True).cache
-
-        row["hf_eager_ms"] = median_ms(hf_step)
     return row
 
 

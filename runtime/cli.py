@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from .collectives import CollectiveFailed
 from .engine import Engine, Request
 from .errors import DeepinferError
 from .launch import Leader
@@ -77,14 +78,13 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         results = engine.generate([Request(ids, max_tokens, sampling) for ids in all_ids])
     except DeepinferError as err:
         click.echo(f"deepinfer-run: {err}", err=True)
+        if isinstance(err, CollectiveFailed):
+            _stop_at_once(executor, err.exit_code)  # a stuck follower would not take a stop record
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         click.echo("deepinfer-run: interrupted", err=True)
-        if isinstance(executor, Leader):
-            executor.shutdown(kill=True)  # followers may be waiting in a collective the leader left
         if peek_world_size(Path(bundle)) > 1:  # (a Leader interrupted while starting killed them itself)
-            sys.stderr.flush()
-            os._exit(130)  # tearing down a process group whose peers are gone can block
+            _stop_at_once(executor, 130)
         sys.exit(130)
     finally:
         if isinstance(executor, Leader):
@@ -108,6 +108,15 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
     labels = list(prompts) + [f"ids {p}" for p in prompt_ids]
     for label, result, text in zip(labels, results, texts):
         click.echo(f"{label!r} -> {text!r}  [{len(result.token_ids)} tokens, {result.finish_reason}]")
+
+
+def _stop_at_once(executor, code: int):
+    """Kill the followers and exit without tearing down the process group: followers may wait in
+    a collective the leader left, or a peer may be gone, and destroying the group then can block."""
+    if isinstance(executor, Leader):
+        executor.shutdown(kill=True)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

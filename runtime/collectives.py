@@ -11,6 +11,9 @@ impls run torch.distributed on the process groups `set_groups` registered.
 import torch
 import torch.distributed as dist
 
+from . import knobs
+from .errors import DeepinferError
+
 _groups: dict[str, "dist.ProcessGroup"] = {}
 
 
@@ -54,9 +57,26 @@ def _(x, group, dim, group_size):
 COLLECTIVE_OPS = {"deepinfer.all_reduce.default": "all_reduce", "deepinfer.all_gather.default": "all_gather"}
 
 
+class CollectiveFailed(DeepinferError):
+    """A collective that timed out or lost a peer: another rank of its group stopped responding."""
+
+
 def run_collective(spec: dict, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Execute one schedule step's collective on region outputs (ours to overwrite). Several inputs
     (a packed step) travel flattened in one collective and are unpacked after."""
+    try:
+        return _run_collective(spec, *xs)
+    except RuntimeError as err:  # gloo: "Timed out waiting ...", "Connection closed by peer", ...
+        ranks = dist.get_process_group_ranks(_group(spec["group"]))
+        cause = str(err).strip().splitlines()[0]
+        raise CollectiveFailed(
+            f"rank {dist.get_rank()}: {spec['op']} over group {spec['group']!r} (ranks {ranks}) failed: {cause}. "
+            "Another rank of that group stopped responding (stuck, stopped, or gone; its own output says why), "
+            f"so the job stops. If a step may take longer than {knobs.collective_timeout_s():.0f} s, "
+            "raise DEEPINFER_COLLECTIVE_TIMEOUT.") from None
+
+
+def _run_collective(spec: dict, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     group = _group(spec["group"])
     flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
     sizes = [x.numel() for x in xs]

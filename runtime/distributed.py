@@ -6,28 +6,30 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import knobs
 from .collectives import set_groups
 
 
 def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_port: int,
-                node_size: int | None = None, timeout_s: float = 300):
+                node_size: int | None = None):
     """`node_size` (ranks per node group) also makes the world.inner / world.outer groups of the
     hierarchical all-reduce."""
+    timeout = timedelta(seconds=knobs.collective_timeout_s())
     dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+                            world_size=world_size, timeout=timeout)
     groups = {"world": dist.group.WORLD}
-    groups["tp"] = _own_group([list(range(s, s + tp)) for s in range(0, world_size, tp)], rank)
+    groups["tp"] = _own_group([list(range(s, s + tp)) for s in range(0, world_size, tp)], rank, timeout)
     if node_size:
-        groups["world.inner"] = _own_group([list(range(s, s + node_size)) for s in range(0, world_size, node_size)], rank)
-        groups["world.outer"] = _own_group([list(range(i, world_size, node_size)) for i in range(node_size)], rank)
+        groups["world.inner"] = _own_group([list(range(s, s + node_size)) for s in range(0, world_size, node_size)], rank, timeout)
+        groups["world.outer"] = _own_group([list(range(i, world_size, node_size)) for i in range(node_size)], rank, timeout)
     set_groups(groups)
     return groups
 
 
-def _own_group(partition: list[list[int]], rank: int):
+def _own_group(partition: list[list[int]], rank: int, timeout: timedelta):
     mine = None
     for ranks in partition:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)  # (new groups do not inherit the default group's)
         if rank in ranks:
             mine = group
     return mine

@@ -21,6 +21,12 @@ def region_trace_path() -> Path | None:
     return Path("deepinfer-region-trace.json" if value == "1" else value)
 
 
+def collective_timeout_s() -> float:
+    """DEEPINFER_COLLECTIVE_TIMEOUT=SECONDS: how long a rank waits in a collective for the others
+    before the job stops with an error (default 300; a rank that stops responding ends the job then)."""
+    return float(os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT") or 300)
+
+
 def cache_dir() -> Path:
     """DEEPINFER_CACHE_DIR: the compile cache (default: $XDG_CACHE_HOME/deepinfer or ~/.cache/deepinfer)."""
     if os.environ.get("DEEPINFER_CACHE_DIR"):

@@ -125,19 +125,28 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def start_long_generation(bundle: Path, n_followers: int, env=None) -> tuple[subprocess.Popen, list[int]]:
+    """The leader on 40 prompts x 200 tokens (far longer than any test waits), once its followers run."""
+    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
+    leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *many, "--max-tokens", "200"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while len(children(leader.pid)) < n_followers:
+        assert time.monotonic() < deadline and leader.poll() is None
+        time.sleep(0.1)
+    return leader, sorted(children(leader.pid))
+
+
+def alive(pids: list[int]) -> bool:
+    return any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in pids)
+
+
 def test_killed_follower_stops_the_job_within_10_seconds(bundles):
     shm_before = set(os.listdir("/dev/shm"))
-    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
-    leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundles["ws4_tp1_ep4"]), *many,
-                               "--max-tokens", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    leader, followers = start_long_generation(bundles["ws4_tp1_ep4"], 3)
     try:
-        deadline = time.monotonic() + 60
-        while len(children(leader.pid)) < 3:
-            assert time.monotonic() < deadline and leader.poll() is None
-            time.sleep(0.1)
-        time.sleep(8)  # loaded and generating (40 prompts x 200 tokens takes far longer)
+        time.sleep(8)  # loaded and generating
         assert leader.poll() is None, leader.stderr.read()
-        followers = sorted(children(leader.pid))
         os.kill(followers[1], signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = leader.communicate(timeout=30)
@@ -149,8 +158,30 @@ def test_killed_follower_stops_the_job_within_10_seconds(bundles):
     assert leader.returncode != 0
     assert "was killed by SIGKILL; the job stops" in stderr and "rank " in stderr
     time.sleep(0.5)
-    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-                   for pid in followers)  # the other followers are gone too
+    assert not alive(followers)  # the other followers are gone too
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_a_follower_that_stops_responding_stops_the_job_after_the_collective_timeout(bundles):
+    shm_before = set(os.listdir("/dev/shm"))
+    env = {**os.environ, "DEEPINFER_COLLECTIVE_TIMEOUT": "3"}
+    leader, followers = start_long_generation(bundles["ws2_tp2_ep2"], 1, env)
+    try:
+        time.sleep(8)  # loaded and generating
+        assert leader.poll() is None, leader.stderr.read()
+        os.kill(followers[0], signal.SIGSTOP)  # alive, but never answers again
+        stopped = time.monotonic()
+        _, stderr = leader.communicate(timeout=30)
+        print(f"leader exited {time.monotonic() - stopped:.2f} s after its follower stopped")
+        assert time.monotonic() - stopped < 3 + 7
+    finally:
+        if leader.poll() is None:
+            leader.kill()  # and so its followers (PR_SET_PDEATHSIG), stopped or not
+    assert leader.returncode == 1
+    assert "rank 0: all_reduce over group" in stderr and "(ranks [0, 1])" in stderr
+    assert "stopped responding" in stderr and "DEEPINFER_COLLECTIVE_TIMEOUT" in stderr
+    time.sleep(0.5)
+    assert not alive(followers)  # killed, though stopped
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
@@ -170,20 +201,13 @@ def test_the_same_bundle_runs_under_torchrun(bundles, checkpoint):
                          ids=["ctrl-c-while-starting", "ctrl-c-while-generating", "killed"])
 def test_followers_end_with_the_leader(bundles, signum, after):
     shm_before = set(os.listdir("/dev/shm"))
-    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
-    leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundles["ws2_tp2_ep2"]), *many,
-                               "--max-tokens", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not children(leader.pid):
-        assert time.monotonic() < deadline and leader.poll() is None
-        time.sleep(0.1)
-    followers = children(leader.pid)
+    leader, followers = start_long_generation(bundles["ws2_tp2_ep2"], 1)
     time.sleep(after)
     leader.send_signal(signum)
     leader.communicate(timeout=30)
     assert leader.returncode != 0
     deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in followers):
+    while alive(followers):
         assert time.monotonic() < deadline, "a follower outlived its leader"
         time.sleep(0.1)
     assert set(os.listdir("/dev/shm")) <= shm_before

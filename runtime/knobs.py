@@ -3,6 +3,8 @@
 import os
 from pathlib import Path
 
+from .errors import DeepinferError
+
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
@@ -24,7 +26,15 @@ def region_trace_path() -> Path | None:
 def collective_timeout_s() -> float:
     """DEEPINFER_COLLECTIVE_TIMEOUT=SECONDS: how long a rank waits in a collective for the others
     before the job stops with an error (default 300; a rank that stops responding ends the job then)."""
-    return float(os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT") or 300)
+    value = os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT") or "300"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise DeepinferError(f"DEEPINFER_COLLECTIVE_TIMEOUT={value!r}: give the seconds a rank may wait in a "
+                             "collective as a positive number, e.g. 60, or unset it for the default of 300.")
+    return seconds
 
 
 def cache_dir() -> Path:

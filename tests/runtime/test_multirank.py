@@ -54,10 +54,10 @@ def bundles(checkpoint, tmp_path_factory, cache_dir):
     return out
 
 
-def run_bundle(bundle: Path, *extra, timeout=300) -> subprocess.CompletedProcess:
+def run_bundle(bundle: Path, *extra, timeout=300, env=None) -> subprocess.CompletedProcess:
     args = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
     return subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *args,
-                           "--max-tokens", str(MAX_TOKENS), "--json", *extra], capture_output=True, text=True, timeout=timeout)
+                           "--max-tokens", str(MAX_TOKENS), "--json", *extra], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
@@ -182,6 +182,15 @@ def test_a_follower_that_stops_responding_stops_the_job_after_the_collective_tim
     assert "stopped responding" in stderr and "DEEPINFER_COLLECTIVE_TIMEOUT" in stderr
     time.sleep(0.5)
     assert not alive(followers)  # killed, though stopped
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_a_bad_collective_timeout_is_a_clear_error(bundles):
+    shm_before = set(os.listdir("/dev/shm"))
+    result = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, "DEEPINFER_COLLECTIVE_TIMEOUT": "soon"}, timeout=60)
+    assert result.returncode == 1
+    assert "DEEPINFER_COLLECTIVE_TIMEOUT='soon': give the seconds" in result.stderr
+    assert "Traceback" not in result.stderr
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 

@@ -23,7 +23,3 @@ def pack_collectives(steps: list[ScheduleStep], dtype_of: dict[str, str]) -> lis
         else:
             out.append(step)
     return out
-
-
-def collective_calls(steps: list[ScheduleStep]) -> int:
-    return sum(1 for step in steps if step.collective)

@@ -6,7 +6,8 @@ paths are model paths with a layer kind's index as `*` (`layers.*.mlp.gate`), so
 survives a re-trace and applies to every layer of the kind.
 
 Every deepinfer collective (all_reduce, all_gather) becomes a piece of its own, which the
-schedule runs as a collective step instead of compiling. Each region is a standalone GraphModule whose inputs are the live values crossing into it.
+schedule runs as a collective step instead of compiling. Each region is a standalone GraphModule
+whose inputs are the live values crossing into it.
 `torch.fx.passes.split_module` does the cutting with keep_original_order=True, which keeps the
 in-place KV store ahead of the reads that follow it.
 """

@@ -62,9 +62,9 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         raise click.UsageError("give at least one --prompt or --prompt-ids")
     under_torchrun = "RANK" in os.environ and "DEEPINFER_RING" not in os.environ
     if under_torchrun and int(os.environ["RANK"]) > 0:
-        from .follower import follow
+        from .follower import run_follower
 
-        return follow(Path(bundle))
+        return run_follower(Path(bundle))
     executor = None
     try:
         load_start = time.perf_counter()

@@ -15,7 +15,7 @@ import click
 import torch.distributed as dist
 
 from .errors import DeepinferError
-from .launch import RING_SLOTS, join, max_bucket_of
+from .launch import RING_SLOTS, join, max_bucket_of, torchrun_ring_name
 from .shm_ring import SHM_DIR, ShmRing
 from .step import decode, payload_words
 
@@ -23,8 +23,7 @@ from .step import decode, payload_words
 def follow(bundle: Path):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     leader_pid = int(os.environ.get("DEEPINFER_LEADER_PID", "0"))
-    ring_path = os.environ.get("DEEPINFER_RING") or str(
-        SHM_DIR / f"deepinfer-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ['MASTER_PORT']}")
+    ring_path = os.environ.get("DEEPINFER_RING") or str(SHM_DIR / torchrun_ring_name())
     width = max_bucket_of(bundle)
     deadline = time.monotonic() + 60
     while not Path(ring_path).exists():  # under torchrun the leader may create it a moment later
@@ -48,14 +47,19 @@ def follow(bundle: Path):
         executor.run(step)
 
 
-@click.command()
-@click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False))
-def main(bundle):
+def run_follower(bundle: Path):
+    """follow(), with a DeepinferError printed as its one-paragraph message and exit 1."""
     try:
-        follow(Path(bundle))
+        follow(bundle)
     except DeepinferError as err:
         click.echo(f"deepinfer follower: {err}", err=True)
         sys.exit(1)
+
+
+@click.command()
+@click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False))
+def main(bundle):
+    run_follower(Path(bundle))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,12 @@ def max_bucket_of(bundle: Path) -> int:
     return max(max(b) for b in json.loads((bundle / "manifest.json").read_text())["buckets"].values())
 
 
+def torchrun_ring_name() -> str:
+    """The ring's /dev/shm name under torchrun, where followers find it by name (torchrun's ranks
+    share MASTER_PORT and the run id, and nothing else the leader could hand them)."""
+    return f"deepinfer-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ['MASTER_PORT']}"
+
+
 def node_size(manifest) -> int | None:
     return manifest.parallel.get("hierarchical_allreduce") or None
 
@@ -81,7 +87,7 @@ class Leader:
         self.logs: list[Path] = []
         self.stopping = False
         self.step_id = 0
-        ring_name = f"deepinfer-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT')}" if torchrun else None
+        ring_name = torchrun_ring_name() if torchrun else None
         self.ring = ShmRing.create(self.world_size - 1, payload_words(self.max_bucket), RING_SLOTS, name=ring_name)
         try:
             if torchrun:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 METHODS = ("stop", "prefill", "decode")
+HEADER_WORDS = 4  # method, bucket, read_slot, last_index
 
 
 @dataclass
@@ -33,18 +34,20 @@ class Step:
 
 def payload_words(max_bucket: int) -> int:
     """Size of one encoded step record, in int64 words."""
-    return 5 + 3 * max_bucket
+    return HEADER_WORDS + 3 * max_bucket
 
 
 def encode(step: Step | None, max_bucket: int) -> np.ndarray:
-    """[method, bucket, read_slot, last_index, n, tokens..., positions..., slots...]; None means stop."""
+    """[method, bucket, read_slot, last_index, tokens..., positions..., slots...] (each field padded to
+    max_bucket); None means stop."""
     record = np.zeros(payload_words(max_bucket), dtype=np.int64)
     if step is None:
         return record
     n = step.bucket
-    record[:5] = [METHODS.index(step.method), n, _scalar(step.read_slot), _scalar(step.last_index), n]
+    record[:HEADER_WORDS] = [METHODS.index(step.method), n, _scalar(step.read_slot), _scalar(step.last_index)]
     for i, field in enumerate((step.tokens, step.positions, step.slots)):
-        record[5 + i * max_bucket : 5 + i * max_bucket + n] = field.numpy()
+        start = HEADER_WORDS + i * max_bucket
+        record[start : start + n] = field.numpy()
     return record
 
 
@@ -53,7 +56,8 @@ def decode(record: np.ndarray, max_bucket: int) -> Step | None:
     if method == "stop":
         return None
     n = int(record[1])
-    fields = [torch.from_numpy(record[5 + i * max_bucket : 5 + i * max_bucket + n].copy()) for i in range(3)]
+    starts = [HEADER_WORDS + i * max_bucket for i in range(3)]
+    fields = [torch.from_numpy(record[start : start + n].copy()) for start in starts]
     extra = {}
     if method == "prefill":
         extra = {"read_slot": torch.tensor([int(record[2])]), "last_index": torch.tensor([int(record[3])])}

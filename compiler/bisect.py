@@ -27,10 +27,11 @@ import torch
 import yaml
 from torch import fx
 
+from .backends import backend_module
 from .build import Plan, compile_regions, plan
 from .cache import CompileCache
 from .pool import Job, JobResult, run_job
-from .recipe import Recipe
+from .recipe import Recipe, RecipeError
 from .split import export_region, module_path
 
 
@@ -83,6 +84,7 @@ class Bisector:
         self.state_path = self.dir / "state.json"
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.trials = 0
+        self._extension = backend_module(recipe.backend).EXTENSION  # backends check their file's suffix
 
     def trial(self, start: int, end: int, attempt: int = 0) -> str:
         """'ok' or the failure signature of nodes [start, end) compiled on their own (remembered)."""
@@ -102,7 +104,7 @@ class Bisector:
         with self.lock:  # tracing is not thread-safe; only the compile workers run in parallel
             self.trials += 1
             torch.export.save(export_region(subgraph(self.graph, self.sequence[start:end])), work / "region.ep.pt2")
-        job = Job(f"{self.fp}[{key}]", work / "region.ep.pt2", work / "artifact", self.recipe.backend,
+        job = Job(f"{self.fp}[{key}]", work / "region.ep.pt2", work / f"artifact.{self._extension}", self.recipe.backend,
                   self.plan.backend_options, work / "compile.log")
         return run_job(job, self.timeout)
 
@@ -164,7 +166,7 @@ class Bisector:
         (repro / "backend.json").write_text(json.dumps({"backend": self.recipe.backend, "options": self.plan.backend_options}, indent=1))
         (repro / "versions.json").write_text(json.dumps(toolchain_versions(), indent=1))
         (repro / "graph.txt").write_text(str(program.graph))
-        command = Job("", Path("minimal.ep.pt2"), Path("out.artifact"), self.recipe.backend, self.plan.backend_options, Path()).command
+        command = Job("", Path("minimal.ep.pt2"), Path(f"out.{self._extension}"), self.recipe.backend, self.plan.backend_options, Path()).command
         (repro / "repro.sh").write_text(f"#!/bin/sh\n# expected: {signature}\ncd \"$(dirname \"$0\")\"\nexec {shlex.join(command)}\n")
         (repro / "repro.sh").chmod(0o755)
         return repro
@@ -231,7 +233,7 @@ def bisect(recipe: Recipe, recipe_path: Path, out: Path, region: str | None, tim
     the_plan = plan(recipe)
     if region:
         if region not in the_plan.regions:
-            raise ValueError(f"no region {region} in {recipe_path}; its regions are {sorted(the_plan.regions)}")
+            raise RecipeError(f"--region {region}: no such region in {recipe_path}; its regions are {sorted(the_plan.regions)}.")
         failing = [region]
     else:
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.models import Layout, LayoutError, build_model, param_dtype_of, read_weight
+from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_checkpoint, param_dtype_of, read_weight
 from deepinfer.models.checkpoint import SafetensorsDir
 from deepinfer.models.parallel import shard
 from deepinfer.runtime.errors import DeepinferError
@@ -19,22 +19,28 @@ from deepinfer.runtime.versions import toolchain_versions
 
 from . import trace
 from .backends import backend_module
-from .bundle import write_bundle
+from .bundle import check_output, write_bundle
 from .cache import CompileCache
 from .fingerprint import fingerprint
 from .pack import pack_collectives
 from .pool import Job, JobResult, run_jobs
 from .recipe import Recipe, RecipeError
-from .split import export_region, input_values, output_values, split_unit
+from .split import boundary_matches, export_region, input_values, output_values, split_unit
 from .weights import write_rank_files
 
 
 class CompileFailed(DeepinferError):
-    def __init__(self, failures: list[JobResult]):
+    def __init__(self, failures: list[JobResult], timeout: float):
         self.failures = failures
         report = "\n\n".join(f.describe() for f in failures)
-        super().__init__(f"{len(failures)} region(s) failed to compile; no bundle was written.\n\n{report}\n\n"
-                         "Run `deepinfer-compile bisect RECIPE` to find the graph boundary that avoids the failure.")
+        if all(f.returncode is None for f in failures):
+            advice = (f"Every failure is a timeout: the regions may simply need longer than --timeout {timeout:.0f} s on "
+                      "this machine. Raise --timeout first; if they still hang, `deepinfer-compile bisect RECIPE` finds "
+                      "the graph boundary that avoids the hang.")
+        else:
+            advice = "Run `deepinfer-compile bisect RECIPE` to find the graph boundary that avoids the failure."
+        super().__init__(f"{len(failures)} region(s) failed to compile; no bundle was written. Regions that compiled "
+                         f"are cached.\n\n{report}\n\n{advice}")
 
 
 @dataclass
@@ -83,6 +89,9 @@ def plan(recipe: Recipe) -> Plan:
         model = _model(recipe, "fake", _layout(recipe))
     except LayoutError as err:
         raise RecipeError(f"{recipe.name}: {err}") from None
+    if recipe.model["checkpoint"]:
+        check_checkpoint(recipe.model["checkpoint"], _model(recipe, "meta"))
+    _check_kv_pool(recipe, model.config)
     backend = backend_module(recipe.backend)
     toolchain = {**toolchain_versions(), **backend.versions()}
     options = backend.options(recipe.backend_options)
@@ -98,6 +107,10 @@ def plan(recipe: Recipe) -> Plan:
                 regions.setdefault(fp, region.graph_module)
                 region_paths.setdefault(fp, unit.module_path)
         split[key] = (unit_regions, fps)
+    for i, boundary in enumerate(recipe.boundaries):
+        if not any(boundary_matches(u.program.graph_module, boundary, u.module_path) for u in units.values()):
+            raise RecipeError(f"{recipe.name}: regions.boundaries[{i}] {boundary} matches no node of the traced model; "
+                              "check the op prefix (e.g. aten.topk) and the module glob (e.g. layers.*.mlp.gate).")
     hierarchical = bool(recipe.parallel["hierarchical_allreduce"])
     schedules = {p.key: _schedule(p, split, hierarchical) for p in programs}
     for program in schedules.values():
@@ -107,6 +120,17 @@ def plan(recipe: Recipe) -> Plan:
                 [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
     weight_names = sorted({w for p in programs for call in p.calls for w in call.weights})
     return Plan(schedules, regions, toolchain, options, region_paths, weight_names, kv, cfg.to_dict())
+
+
+KV_POOL_LIMIT = 1 << 40  # bytes per rank; no host holds more
+
+
+def _check_kv_pool(recipe: Recipe, cfg):
+    kv = recipe.kv
+    size = (kv["max_seqs"] + 1) * kv["max_len"] * cfg.kv_cache_dim * cfg.num_hidden_layers * DTYPES[recipe.dtype].itemsize
+    if size > KV_POOL_LIMIT:
+        raise RecipeError(f"{recipe.name}: the KV pool of kv.max_seqs={kv['max_seqs']} x kv.max_len={kv['max_len']} "
+                          f"would take {size / 2**30:.0f} GiB per rank; lower kv.max_seqs or kv.max_len.")
 
 
 def _schedule(program: trace.TracedProgram, split: dict, hierarchical: bool) -> Program:
@@ -149,7 +173,8 @@ def _spec(value: torch.Tensor) -> TensorSpec:
 
 def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: int, timeout: float,
                     progress: bool) -> tuple[dict[str, Path], int]:
-    """Artifact per unique region, from the cache or from a worker; raises CompileFailed."""
+    """Artifact per unique region, from the cache or from a worker; raises CompileFailed. Each
+    region is cached the moment its worker finishes, so an interrupted compile keeps it."""
     backend = backend_module(recipe.backend)
     artifacts, todo = {}, []
     for fp, graph_module in the_plan.regions.items():
@@ -161,14 +186,17 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
         torch.export.save(export_region(graph_module), work / "region.ep.pt2")
         todo.append(Job(fp, work / "region.ep.pt2", work / f"{fp}.{backend.EXTENSION}", recipe.backend,
                         the_plan.backend_options, work / "compile.log"))
-    results = run_jobs(todo, jobs, timeout, progress)
-    failures = [r for r in results if not r.ok]
-    for result in results:
+
+    def store(result: JobResult):
         if result.ok:
-            artifacts[result.job.name] = cache.put(result.job.name, result.job.out_file,
-                                                   {"backend": recipe.backend, "seconds": round(result.seconds, 2)})
+            name = result.job.name
+            artifacts[name] = cache.put(name, result.job.out_file, {"backend": recipe.backend, "seconds": round(result.seconds, 2)})
+            cache.prune_work(name)
+
+    results = run_jobs(todo, jobs, timeout, progress, on_done=store)
+    failures = [r for r in results if not r.ok]
     if failures:
-        raise CompileFailed(failures)
+        raise CompileFailed(failures, timeout)
     return artifacts, len(the_plan.regions) - len(todo)
 
 
@@ -211,6 +239,7 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     from deepinfer.runtime import knobs
 
     start = time.perf_counter()
+    check_output(recipe.output)
     cache = CompileCache(cache_dir or knobs.cache_dir())
     the_plan = plan(recipe)
     artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress)

@@ -14,29 +14,42 @@ import click
 from deepinfer.runtime.errors import DeepinferError
 
 
+HELP = {"help_option_names": ["-h", "--help"]}
+
+
 class DefaultGroup(click.Group):
     """`deepinfer-compile RECIPE` runs `build`; `deepinfer-compile bisect ...` runs a subcommand."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["build", *args]
         return super().parse_args(ctx, args)
 
+    def format_help(self, ctx, formatter):
+        """How to compile (build's own help, under this command's name), then the subcommands."""
+        build = self.commands["build"]
+        build.format_help(click.Context(build, info_name=ctx.info_name, **HELP), formatter)
+        self.format_commands(ctx, formatter)
 
-@click.group(cls=DefaultGroup)
+
+@click.group(cls=DefaultGroup, context_settings=HELP)
+@click.version_option(package_name="deepinfer", prog_name="deepinfer-compile")
 def main():
     """Compile a recipe into a bundle (`deepinfer-compile RECIPE`), or bisect a compiler crash."""
 
 
-@main.command()
+@main.command(context_settings=HELP)
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), help="bundle directory (default: the recipe's output)")
 @click.option("--backend", help="override backend.name: export | inductor | neuron")
-@click.option("--jobs", default=2, show_default=True, help="regions compiled in parallel")
+@click.option("--jobs", default=2, show_default=True, type=click.IntRange(1, 256), help="regions compiled in parallel")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="compile cache (default: DEEPINFER_CACHE_DIR or ~/.cache/deepinfer)")
-@click.option("--timeout", default=900.0, show_default=True, help="seconds one region may compile before it is killed")
+@click.option("--timeout", default=900.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="seconds one region may compile before it is killed")
 def build(recipe, out, backend, jobs, cache_dir, timeout):
-    """Compile RECIPE into a bundle."""
+    """Compile RECIPE (YAML) into a bundle: trace, split, compile each unique region once, write
+    the bundle. Exits 2 on a bad recipe, 1 when a region fails (with a report per region), 130 on
+    Ctrl-C (regions that finished stay cached; rerun to continue)."""
     from .build import compile_recipe
     from .recipe import load_recipe
 
@@ -45,15 +58,21 @@ def build(recipe, out, backend, jobs, cache_dir, timeout):
     except DeepinferError as err:
         click.echo(f"deepinfer-compile: {err}", err=True)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        click.echo("deepinfer-compile: interrupted; every worker was stopped, regions that finished are cached "
+                   "(run the same command again to continue), and no bundle was written.", err=True)
+        sys.exit(130)
     click.echo(f"compiled {summary}")
 
 
-@main.command("bisect")
+@main.command("bisect", context_settings=HELP)
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--region", help="bisect this region (fingerprint) only; default: every region that fails")
-@click.option("--timeout", default=300.0, show_default=True, help="seconds one trial compile may take (a hang is a failure)")
+@click.option("--timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="seconds one trial compile may take (a hang is a failure)")
 @click.option("--out", type=click.Path(file_okay=False), help="report, repro and state (default: bisect/<recipe name>)")
-@click.option("--jobs", default=2, show_default=True, help="trials (and regions, when looking for failures) compiled in parallel")
+@click.option("--jobs", default=2, show_default=True, type=click.IntRange(1, 256),
+              help="trials (and regions, when looking for failures) compiled in parallel")
 @click.option("--cache-dir", type=click.Path(file_okay=False))
 @click.option("--apply", is_flag=True, help="write the verified boundaries into RECIPE (only its regions: block changes)")
 def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply):
@@ -73,6 +92,10 @@ def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply):
     except DeepinferError as err:
         click.echo(f"deepinfer-compile bisect: {err}", err=True)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        click.echo(f"deepinfer-compile bisect: interrupted; trials so far are kept under {out}, and the same command "
+                   "resumes from them.", err=True)
+        sys.exit(130)
     if not findings:
         click.echo("every region compiles; nothing to bisect")
         return

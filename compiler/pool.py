@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -39,10 +40,7 @@ class JobResult:
     returncode: int | None  # None when it timed out
     seconds: float
     log_tail: str
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and self.job.out_file.is_file()
+    ok: bool = False  # exited 0 and wrote its artifact (checked when it ended; the file may move on)
 
     @property
     def signature(self) -> str:
@@ -61,26 +59,80 @@ class JobResult:
                 f"  log tail:\n{tail}")
 
 
-def run_job(job: Job, timeout: float) -> JobResult:
+class Workers:
+    """The live worker processes of one run: on Ctrl-C (or any error) every one is killed with its
+    process group, and no new one starts. Each worker also dies with the compiler however the
+    compiler dies (it sets PR_SET_PDEATHSIG first thing, see worker.py), so `kill -9` leaves none behind."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.live: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def start(self, command: list[str], log) -> subprocess.Popen | None:
+        with self.lock:
+            if self.stopped:
+                return None
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                       env={**os.environ, "DEEPINFER_COMPILER_PID": str(os.getpid())})
+            self.live.add(process)
+            return process
+
+    def done(self, process: subprocess.Popen):
+        with self.lock:
+            self.live.discard(process)
+
+    def kill_all(self):
+        with self.lock:
+            self.stopped = True
+            for process in self.live:
+                _kill_group(process)
+
+
+def run_job(job: Job, timeout: float, workers: Workers | None = None) -> JobResult:
+    """One worker to its end. A job that never started (the run was stopped) ends as a SIGINT."""
+    workers = workers or Workers()
     start = time.perf_counter()
     with open(job.log_file, "wb") as log:
-        process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = workers.start(job.command, log)
+        if process is None:
+            return JobResult(job, -signal.SIGINT, 0.0, "not started: the compile was interrupted")
         try:
             returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_group(process)
             process.wait()
             returncode = None
+        finally:
+            workers.done(process)
     tail = job.log_file.read_bytes()[-4000:].decode(errors="replace")
-    return JobResult(job, returncode, time.perf_counter() - start, tail)
+    return JobResult(job, returncode, time.perf_counter() - start, tail, ok=returncode == 0 and job.out_file.is_file())
 
 
-def run_jobs(jobs: list[Job], parallel: int, timeout: float, progress: bool = True, label: str = "compiling") -> list[JobResult]:
+def run_jobs(jobs: list[Job], parallel: int, timeout: float, progress: bool = True, label: str = "compiling",
+             on_done=None) -> list[JobResult]:
+    """Every job, `parallel` at a time; `on_done(result)` runs in this thread as each one ends (the
+    build caches a finished region at once, so an interrupted compile keeps it). On Ctrl-C every
+    worker is killed at once and KeyboardInterrupt propagates, with nothing left running."""
     if not jobs:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool, \
-            tqdm(total=len(jobs), desc=label, unit="region", disable=not progress, file=sys.stderr) as bar:
-        futures = [pool.submit(run_job, job, timeout) for job in jobs]
-        for future in as_completed(futures):
-            bar.update(1)
-        return [future.result() for future in futures]
+    workers = Workers()
+    pool = ThreadPoolExecutor(max_workers=max(1, parallel))
+    try:
+        with tqdm(total=len(jobs), desc=label, unit="region", disable=not progress, file=sys.stderr) as bar:
+            futures = [pool.submit(run_job, job, timeout, workers) for job in jobs]
+            for future in as_completed(futures):
+                bar.update(1)
+                if on_done is not None:
+                    on_done(future.result())
+            return [future.result() for future in futures]
+    finally:
+        workers.kill_all()  # a no-op after a normal end; on an interrupt the waiting threads return at once
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_group(process: subprocess.Popen):
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -4,14 +4,20 @@ Every problem raises `RecipeError` naming the key (and its line in the YAML file
 Relative paths (model.checkpoint, output) are taken from the current directory.
 """
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from deepinfer.models import model_config
 from deepinfer.runtime.errors import DeepinferError
 
 METHODS = ("prefill", "decode")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+MAX_NODES = 10_000  # values in a recipe once YAML aliases are expanded
+MAX_SEQS = 1 << 16  # sequence slots in the KV pool
+MAX_LEN = 1 << 24  # positions per slot
 
 
 class RecipeError(DeepinferError):
@@ -53,14 +59,22 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     """Read and validate a recipe; `backend` and `output` override the file (command-line flags)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as err:
         raise RecipeError(f"{path}: cannot read the recipe ({err.strerror}).") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8 YAML.") from None
     try:
+        root = yaml.compose(text)
+        if _expanded_size(root, {}) > MAX_NODES:
+            raise RecipeError(f"{path}: the YAML expands to more than {MAX_NODES} values (aliases of aliases?); "
+                              "a recipe is a few dozen keys.")
         raw = yaml.safe_load(text)
-        lines = _key_lines(yaml.compose(text))
+        lines = _key_lines(root, "", set())
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: the YAML is nested too deeply; a recipe is a few levels of keys.") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping of keys (name, model, methods, kv, ...).")
 
@@ -70,7 +84,12 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         raise RecipeError(f"{where}: {key}: {message}")
 
     values = _validate(raw, SCHEMA, "", fail)
+    if not NAME.fullmatch(values["name"]):
+        fail("name", f"{values['name']!r} must be one path component of letters, digits, '.', '_', '+' or '-' "
+             "(it names the bundle directory), e.g. tiny-ws2.")
     model = values["model"]
+    if not 0 <= model["seed"] < 1 << 63:
+        fail("model.seed", f"{model['seed']} must be in [0, 2**63).")
     if (model["checkpoint"] is None) == (model["config"] is None):
         fail("model", "give exactly one of model.checkpoint (an HF directory) or model.config (HF config fields).")
     if model["checkpoint"] is not None:
@@ -95,18 +114,31 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         fail("parallel.hierarchical_allreduce", f"{node} must be a group size (ranks per node) that divides "
              f"world_size={values['parallel']['world_size']} into at least two groups, or 0 for a flat all-reduce.")
     kv = values["kv"]
-    for name in ("max_seqs", "max_len"):
-        if kv[name] <= 0:
-            fail(f"kv.{name}", f"must be positive, not {kv[name]}.")
+    for name, limit in (("max_seqs", MAX_SEQS), ("max_len", MAX_LEN)):
+        if not 0 < kv[name] <= limit:
+            fail(f"kv.{name}", f"must be in [1, {limit}], not {kv[name]}.")
     if buckets["decode"][-1] > kv["max_seqs"]:
         fail("methods.decode.buckets", f"bucket {buckets['decode'][-1]} has more rows than kv.max_seqs={kv['max_seqs']} sequences.")
     if buckets["prefill"][-1] > kv["max_len"]:
         fail("methods.prefill.buckets", f"bucket {buckets['prefill'][-1]} is longer than kv.max_len={kv['max_len']} positions.")
     for i, boundary in enumerate(values["regions"]["boundaries"]):
-        if not isinstance(boundary, dict) or not set(boundary) <= {"module", "op"} or "op" not in boundary:
-            fail(f"regions.boundaries[{i}]", "a boundary is {op: OP_PREFIX, module: MODULE_GLOB (optional)}, e.g. {op: aten.topk, module: 'layers.*.mlp.gate'}.")
+        if (not isinstance(boundary, dict) or not set(boundary) <= {"module", "op"} or "op" not in boundary
+                or not all(isinstance(v, str) and v for v in boundary.values())):
+            fail(f"regions.boundaries[{i}]", "a boundary is {op: OP_PREFIX, module: MODULE_GLOB (optional)}, both strings, "
+                 "e.g. {op: aten.topk, module: 'layers.*.mlp.gate'}.")
     backend_name = backend or values["backend"]["name"]
     _check_backend(backend_name, lambda message: fail("backend.name", message))
+    problem = _backend_options_problem(backend_name, values["backend"]["options"])
+    if problem:
+        fail("backend.options", problem)
+    try:
+        config = model_config(model["arch"], model["checkpoint"], model["config"])
+    except DeepinferError as err:
+        key = "model.arch" if "model.arch" in str(err) else ("model.config" if model["config"] is not None else "model.checkpoint")
+        fail(key, str(err).removeprefix("model.config: "))
+    if kv["max_len"] > config.max_position_embeddings:
+        fail("kv.max_len", f"{kv['max_len']} is past the model's max_position_embeddings={config.max_position_embeddings}: "
+             "positions beyond it were never trained (and RoPE scaling is defined up to it). Lower kv.max_len.")
     return Recipe(
         name=values["name"],
         model=model,
@@ -121,6 +153,12 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         output=Path(output or values["output"] or f"artifacts/{values['name']}"),
         raw=raw,
     )
+
+
+def _backend_options_problem(name: str, options: dict) -> str | None:
+    from .backends import backend_module
+
+    return backend_module(name).options_problem(options)
 
 
 def _check_backend(name: str, fail):
@@ -162,17 +200,30 @@ def _validate(raw: dict, schema: dict, prefix: str, fail) -> dict:
     return out
 
 
-def _key_lines(node, prefix: str = "") -> dict[str, int]:
-    """Dotted key -> 1-based line, from the YAML node tree."""
+def _expanded_size(node, sizes: dict) -> int:
+    """Values in the document once every alias is expanded (memoized, so linear in the nodes)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 0  # a recursive alias counts once
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        sizes[id(node)] = 1 + sum(_expanded_size(child, sizes) for child in children)
+    return sizes[id(node)]
+
+
+def _key_lines(node, prefix: str, seen: set) -> dict[str, int]:
+    """Dotted key -> 1-based line, from the YAML node tree (an aliased node is walked once)."""
     lines = {}
+    if id(node) in seen:
+        return lines
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             dotted = prefix + str(key_node.value)
             lines[dotted] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, dotted + "."))
+            lines.update(_key_lines(value_node, dotted + ".", seen))
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             dotted = f"{prefix[:-1]}[{i}]"
             lines[dotted] = item.start_mark.line + 1
-            lines.update(_key_lines(item, dotted + "."))
+            lines.update(_key_lines(item, dotted + ".", seen))
     return lines

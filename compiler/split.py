@@ -50,6 +50,11 @@ def matches(node: fx.Node, boundary: dict, unit_path: str) -> bool:
     return "module" not in boundary or fnmatchcase(module_path(node, unit_path), boundary["module"])
 
 
+def boundary_matches(graph_module: fx.GraphModule, boundary: dict, unit_path: str) -> bool:
+    """Whether a boundary matches any node of a traced unit."""
+    return any(matches(node, boundary, unit_path) for node in graph_module.graph.nodes)
+
+
 def collective_of(node: fx.Node) -> dict | None:
     """{"op": "all_reduce", "group": "tp", ...} for a deepinfer collective node, else None."""
     op = COLLECTIVE_OPS.get(str(node.target)) if node.op == "call_function" else None

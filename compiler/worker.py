@@ -14,13 +14,28 @@ never need it.
 import ctypes
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import click
-import torch
+
+def _die_with_compiler():
+    """SIGKILL this worker when the compiler that started it dies, however it dies (before the
+    slow torch import, so a compiler killed at once leaves no worker behind either)."""
+    compiler = int(os.environ.get("DEEPINFER_COMPILER_PID", "0"))
+    if compiler:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != compiler:  # it died before the prctl took effect
+            os._exit(1)
+
+
+_die_with_compiler()
+
+import click  # noqa: E402
+import torch  # noqa: E402
 
 from .backends import backend_module
 
@@ -59,9 +74,12 @@ def main(region, out, backend, options_json):
     if fault:
         inject_fault(program, fault)
     out = Path(out)
-    partial = out.with_name(f".partial-{os.getpid()}-{out.name}")  # keeps the extension backends check
-    backend_module(backend).compile(program, options, partial)
-    os.replace(partial, out)
+    # The artifact is written under its final name (in a private directory, then moved): backends
+    # may record the file name inside the archive, and the bytes must not depend on this process.
+    with tempfile.TemporaryDirectory(prefix=".partial-", dir=out.parent) as private:
+        partial = Path(private) / out.name
+        backend_module(backend).compile(program, options, partial)
+        os.replace(partial, out)
 
 
 if __name__ == "__main__":

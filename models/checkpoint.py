@@ -11,9 +11,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from deepinfer.runtime.errors import DeepinferError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(DeepinferError, ValueError):
     """A checkpoint that cannot be loaded; the message names the file or key and what to do."""
+
+    exit_code = 2  # bad input, as a bad recipe
 
 
 def read_config(directory: Path) -> dict:
@@ -22,7 +26,7 @@ def read_config(directory: Path) -> dict:
         raise CheckpointError(f"{path}: no config.json. A checkpoint directory holds config.json plus *.safetensors (HF layout).")
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, absurd nesting
         raise CheckpointError(f"{path}: not valid JSON ({err}).") from None
 
 

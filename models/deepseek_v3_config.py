@@ -7,9 +7,13 @@ Only fields that change the math are kept; anything else in a checkpoint's confi
 import math
 from dataclasses import dataclass, field, fields
 
+from deepinfer.runtime.errors import DeepinferError
 
-class ConfigError(ValueError):
+
+class ConfigError(DeepinferError, ValueError):
     """A config value that is missing, unknown or not supported; the message names the key."""
+
+    exit_code = 2  # bad input, as a bad recipe
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,19 @@ class DeepseekV3Config:
         return out
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config") -> "DeepseekV3Config":
-        """Build from an HF config.json dict. `source` names the file in error messages."""
-        return cls(**_checked_fields(raw, source), rope=_rope_config(raw, source))
+    def from_dict(cls, raw: dict, source: str = "config", strict: bool = False) -> "DeepseekV3Config":
+        """Build from an HF config.json dict. `source` names the file in error messages. `strict`
+        (a recipe's inline config) refuses keys this model does not read: a typo must not
+        silently become the 671B default."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: must be a mapping of HF config fields, not {type(raw).__name__}.")
+        if strict:
+            unknown = sorted(str(k) for k in raw if k not in _READ_KEYS)
+            if unknown:
+                raise ConfigError(f"{source}: unknown field(s) {unknown}; the fields read are {sorted(_READ_KEYS)}.")
+        config = cls(**_checked_fields(raw, source), rope=_rope_config(raw, source))
+        _check_values(config, source)
+        return config
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -103,7 +117,8 @@ def _checked_fields(raw: dict, source: str) -> dict:
             "Point model.checkpoint at a DeepSeek-V3 checkpoint, or set model.arch to match."
         )
     if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
+        quantization = raw["quantization_config"]
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise ConfigError(
             f"{source}: quantization_config (quant_method={method!r}) is not supported yet. "
             "Dequantize the checkpoint to bfloat16 first (DeepSeek's fp8_cast_bf16.py does this)."
@@ -121,38 +136,111 @@ def _checked_fields(raw: dict, source: str) -> dict:
     values = {k: raw[k] for k in known if k in raw and raw[k] is not None}
     if raw.get("q_lora_rank", 0) is None:
         values["q_lora_rank"] = None  # null means a plain q projection
-    if isinstance(values.get("eos_token_id"), list):
+    if isinstance(values.get("eos_token_id"), list) and values["eos_token_id"]:
         values["eos_token_id"] = values["eos_token_id"][0]
     # num_key_value_heads is not read: MLA's kv_b_proj expands the shared latent for every head.
-    experts = values.get("n_routed_experts", DeepseekV3Config.n_routed_experts)
-    groups = values.get("n_group", DeepseekV3Config.n_group)
-    if experts % groups:
-        raise ConfigError(f"{source}: n_routed_experts={experts} is not divisible by n_group={groups}.")
-    if values.get("topk_group", DeepseekV3Config.topk_group) > groups:
-        raise ConfigError(f"{source}: topk_group={values['topk_group']} exceeds n_group={groups}.")
-    return values
+    return values  # types, ranges and relations: _check_values
+
+
+# Upper bounds on sizes: far above any released model, low enough that a typo (10**6 layers)
+# fails here instead of hanging the build.
+LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 << 22, "num_attention_heads": 1024,
+          "max_position_embeddings": 1 << 24}
+SIZE_LIMIT = 1 << 20
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "n_routed_experts", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "n_group",
+             "topk_group", "num_experts_per_tok", "max_position_embeddings")
+_NON_NEGATIVE = ("n_shared_experts", "qk_nope_head_dim", "first_k_dense_replace")
+_OPTIONAL = ("q_lora_rank", "bos_token_id", "eos_token_id")
+_READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - {"rope"}) | {
+    "model_type", "rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "scoring_func", "topk_method",
+    "pretraining_tp", "quantization_config", "num_key_value_heads"}
+
+
+def _check_values(c: DeepseekV3Config, source: str):
+    """Types and ranges of every field, and the relations between them."""
+    def fail(key, message):
+        raise ConfigError(f"{source}: {key}={getattr(c, key, None)!r} {message}")
+
+    for f in fields(c):
+        value, default = getattr(c, f.name), f.default
+        if f.name == "rope" or (value is None and f.name in _OPTIONAL):
+            continue
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                fail(f.name, "must be true or false.")
+        elif isinstance(default, int) or f.name in _OPTIONAL:
+            if not isinstance(value, int) or isinstance(value, bool):
+                fail(f.name, "must be an integer.")
+            if f.name in _POSITIVE + ("q_lora_rank",) and value <= 0:
+                fail(f.name, "must be positive.")
+            if f.name in _NON_NEGATIVE and value < 0:
+                fail(f.name, "must be 0 or more.")
+            limit = LIMITS.get(f.name, SIZE_LIMIT)
+            if value > limit:
+                fail(f.name, f"is past the largest supported value {limit}.")
+        elif isinstance(default, float):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                fail(f.name, "must be a positive finite number.")
+    for key in ("bos_token_id", "eos_token_id"):
+        value = getattr(c, key)
+        if value is not None and not (0 <= value < c.vocab_size):
+            fail(key, f"must be a token id below vocab_size={c.vocab_size}.")
+    if c.qk_rope_head_dim % 2:
+        fail("qk_rope_head_dim", "must be even (RoPE rotates pairs of channels).")
+    if c.n_routed_experts % c.n_group:
+        fail("n_routed_experts", f"is not divisible by n_group={c.n_group}.")
+    if c.topk_group > c.n_group:
+        fail("topk_group", f"exceeds n_group={c.n_group}.")
+    if c.num_experts_per_tok > c.n_routed_experts // c.n_group * c.topk_group:
+        fail("num_experts_per_tok", f"is more than the {c.n_routed_experts // c.n_group * c.topk_group} experts in "
+             f"topk_group={c.topk_group} of n_group={c.n_group} groups.")
+    rope = c.rope
+    for key in ("rope_theta", "factor", "beta_fast", "beta_slow"):
+        value = getattr(rope, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{source}: rope {key}={value!r} must be a positive finite number.")
+    for key in ("mscale", "mscale_all_dim"):
+        value = getattr(rope, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{source}: rope {key}={value!r} must be a finite number, 0 or more.")
+    if rope.attention_factor is not None and (not isinstance(rope.attention_factor, (int, float)) or isinstance(rope.attention_factor, bool)
+                                             or not math.isfinite(rope.attention_factor) or rope.attention_factor <= 0):
+        raise ConfigError(f"{source}: rope attention_factor={rope.attention_factor!r} must be a positive finite number.")
+    if not isinstance(rope.original_max_position_embeddings, int) or isinstance(rope.original_max_position_embeddings, bool) \
+            or not 0 < rope.original_max_position_embeddings <= 1 << 24:
+        raise ConfigError(f"{source}: rope original_max_position_embeddings={rope.original_max_position_embeddings!r} "
+                          "must be a positive integer.")
+    if not isinstance(rope.truncate, bool):
+        raise ConfigError(f"{source}: rope truncate={rope.truncate!r} must be true or false.")
 
 
 def _rope_config(raw: dict, source: str) -> RopeConfig:
     # New HF configs write `rope_parameters`; real DeepSeek checkpoints write `rope_scaling` + `rope_theta`.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    params = raw.get(key) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: {key} must be a mapping (rope_type, rope_theta, factor, ...), not {type(params).__name__}.")
+    params = dict(params)
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in ("default", "yarn"):
         raise ConfigError(f"{source}: {key}.rope_type={rope_type!r} is not supported (default or yarn).")
     params.setdefault("rope_theta", raw.get("rope_theta", RopeConfig.rope_theta))
     params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 4096))
     if params.get("factor") is None:
-        params["factor"] = raw.get("max_position_embeddings", 4096) / params["original_max_position_embeddings"]
+        try:
+            params["factor"] = raw.get("max_position_embeddings", 4096) / params["original_max_position_embeddings"]
+        except (TypeError, ZeroDivisionError):
+            raise ConfigError(f"{source}: {key}.original_max_position_embeddings and max_position_embeddings must be "
+                              "positive integers.") from None
     known = {f.name for f in fields(RopeConfig)}
-    unknown = sorted(set(params) - known - {"partial_rotary_factor"})
+    unknown = sorted(str(k) for k in set(params) - known - {"partial_rotary_factor"})
     if unknown:
         raise ConfigError(f"{source}: {key} has unknown field(s) {unknown}.")
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{source}: {key}.partial_rotary_factor other than 1.0 is not supported.")
-    for name in ("beta_fast", "beta_slow"):
-        if params.get(name) is None:
-            params.pop(name, None)  # HF treats a null as the default
+    for name in [n for n, v in params.items() if v is None and n != "attention_factor"]:
+        params.pop(name)  # HF treats a null as the default
     return RopeConfig(rope_type=rope_type, **params)
 
 

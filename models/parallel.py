@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.runtime.errors import DeepinferError
+
 # parameter name suffix -> dim split over tp (0: output rows, column-parallel; 1: input columns, row-parallel)
 TP_SPLITS = {
     "self_attn.q_proj.weight": 0,
@@ -39,8 +41,10 @@ TP_SPLITS = {
 EP_SPLITS = {"mlp.experts_gate_up": 0, "mlp.experts_down": 0}
 
 
-class LayoutError(ValueError):
+class LayoutError(DeepinferError, ValueError):
     """A parallel layout that does not fit the model; the message names the numbers."""
+
+    exit_code = 2  # bad input, as a bad recipe
 
 
 @dataclass(frozen=True)

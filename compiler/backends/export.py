@@ -1,8 +1,11 @@
-"""A serialized ExportedProgram: no compilation at all. Fast, and the reference for the others."""
+"""A serialized ExportedProgram: no compilation at all. Fast, and the reference for the others.
 
-import torch
+The artifact is the program's JSON alone (`.ep.json`): no weights, constants or sample inputs,
+so nothing in it is a pickle, and the runtime loads it without unpickling anything."""
 
-EXTENSION = "ep.pt2"
+from torch._export.serde.serialize import serialize
+
+EXTENSION = "ep.json"
 
 
 def unavailable():
@@ -17,7 +20,21 @@ def options(user: dict) -> dict:
     return dict(user)
 
 
+def options_problem(user: dict) -> str | None:
+    from . import fault_problem
+
+    unknown = sorted(set(user) - {"inject_fault"})
+    if unknown:
+        return f"the export backend takes no options, got {unknown}."
+    return fault_problem(user["inject_fault"]) if "inject_fault" in user else None
+
+
 def compile(program, options: dict, out):
     if options:
         raise ValueError(f"the export backend takes no options, got {sorted(options)}")
-    torch.export.save(program, str(out))
+    if program.state_dict or program.constants:
+        raise ValueError("a region holds weights or constants; they must be inputs")
+    for node in program.graph.nodes:
+        node.meta.pop("stack_trace", None)  # source paths of this checkout: not part of the program
+    with open(out, "wb") as f:
+        f.write(serialize(program).exported_program)

@@ -5,7 +5,14 @@
 Weights are region inputs, so nothing is baked into the shared object and one artifact serves
 every layer."""
 
+import fcntl
+import hashlib
+import os
 import platform
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch._inductor
@@ -36,6 +43,20 @@ def options(user: dict) -> dict:
     return {**DEFAULTS, **user}
 
 
+def options_problem(user: dict) -> str | None:
+    from . import fault_problem
+
+    known = torch._inductor.config.get_config_copy()
+    unknown = sorted(str(k) for k in user if k not in known and k != "inject_fault")
+    if unknown:
+        return f"{unknown} are not inductor configs (torch._inductor.config); e.g. max_autotune, cpp.threads."
+    for key, value in user.items():
+        default = known.get(key)
+        if isinstance(default, (bool, int, float, str)) and value is not None and not _same_kind(value, default):
+            return f"{key}={value!r}: inductor expects a {type(default).__name__} like its default {default!r}."
+    return fault_problem(user["inject_fault"]) if "inject_fault" in user else None
+
+
 def compile(program, options: dict, out):
     from deepinfer.compiler.split import example_inputs
 
@@ -43,4 +64,36 @@ def compile(program, options: dict, out):
     # set globally before inductor loads it (this is the region's own worker process).
     torch._inductor.config.post_grad_fusion_options = options.get("post_grad_fusion_options", {})
     program._example_inputs = (example_inputs(program), {})  # AOTInductor insists on having some
-    torch._inductor.aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))
+    with _private_inductor_cache(program):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))
+
+
+@contextmanager
+def _private_inductor_cache(program):
+    """Compile cold, in a work directory whose path depends only on the region, so its artifact is
+    bit-identical from one compile to the next: inductor names kernels after their directory and
+    writes its build commands (with that path) into the packaged sources, and a warm inductor
+    cache packages different bytes than a cold one. (deepinfer's own cache, keyed by the region
+    fingerprint, is what keeps compiled regions.) A lock keeps two compiles of one region apart."""
+    key = hashlib.sha256(str(program.graph).encode()).hexdigest()[:24]
+    root = Path(tempfile.gettempdir()) / f"deepinfer-inductor-{os.getuid()}"
+    root.mkdir(exist_ok=True)
+    work = root / key
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shutil.rmtree(work, ignore_errors=True)
+        previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work)
+        try:
+            yield
+        finally:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if previous is None else os.environ.update(TORCHINDUCTOR_CACHE_DIR=previous)
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _same_kind(value, default) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and (isinstance(default, float) or isinstance(value, int))
+    return isinstance(value, type(default))

@@ -35,6 +35,9 @@ from .recipe import Recipe, RecipeError
 from .split import export_region, module_path
 
 
+RETRY_FACTOR = 4  # a trial that timed out while chasing another signature gets this many times longer
+
+
 @dataclass
 class Finding:
     region: str
@@ -84,6 +87,7 @@ class Bisector:
         self.state_path = self.dir / "state.json"
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.trials = 0
+        self.chasing: str | None = None  # the signature being bisected, once reproduced
         self._extension = backend_module(recipe.backend).EXTENSION  # backends check their file's suffix
 
     def trial(self, start: int, end: int, attempt: int = 0) -> str:
@@ -106,12 +110,18 @@ class Bisector:
             torch.export.save(export_region(subgraph(self.graph, self.sequence[start:end])), work / "region.ep.pt2")
         job = Job(f"{self.fp}[{key}]", work / "region.ep.pt2", work / f"artifact.{self._extension}", self.recipe.backend,
                   self.plan.backend_options, work / "compile.log")
-        return run_job(job, self.timeout)
+        result = run_job(job, self.timeout)
+        if result.returncode is None and self.chasing not in (None, "timeout"):
+            # Chasing a crash or an error, a trial that ran out of time was slow (a busy machine),
+            # not different: give it a longer bound rather than count it as another failure.
+            result = run_job(job, self.timeout * RETRY_FACTOR)
+        return result
 
     def run(self) -> Finding:
         start_time = time.perf_counter()
         n = len(self.sequence)
         signature = self.trial(0, n)
+        self.chasing = signature
         finding = Finding(self.fp, signature)
         if signature == "ok":
             finding.signature = "does not reproduce (the region compiles on its own)"

@@ -4,6 +4,7 @@
     summary = compile_recipe(load_recipe("recipes/tiny.yaml"), jobs=2)
 """
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +90,11 @@ def plan(recipe: Recipe) -> Plan:
         model = _model(recipe, "fake", _layout(recipe))
     except LayoutError as err:
         raise RecipeError(f"{recipe.name}: {err}") from None
+    full = _model(recipe, "meta")
     if recipe.model["checkpoint"]:
-        check_checkpoint(recipe.model["checkpoint"], _model(recipe, "meta"))
+        check_checkpoint(recipe.model["checkpoint"], full)
+    else:
+        _check_random_weights_fit(recipe, full)
     _check_kv_pool(recipe, model.config)
     backend = backend_module(recipe.backend)
     toolchain = {**toolchain_versions(), **backend.versions()}
@@ -123,6 +127,17 @@ def plan(recipe: Recipe) -> Plan:
 
 
 KV_POOL_LIMIT = 1 << 40  # bytes per rank; no host holds more
+
+
+def _check_random_weights_fit(recipe: Recipe, full_model):
+    """A config + seed recipe's random weights are created in memory when the bundle is written,
+    after every region compiled: check now that they fit."""
+    size = sum(p.numel() * DTYPES[recipe.dtype].itemsize for p in full_model.parameters())
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if size > available // 2:
+        raise RecipeError(f"{recipe.name}: model.config describes {size / 2**30:.1f} GiB of weights, and random weights are "
+                          f"made in memory ({available / 2**30:.1f} GiB free here). Use model.checkpoint (streamed tensor by "
+                          "tensor) or a smaller model.config.")
 
 
 def _check_kv_pool(recipe: Recipe, cfg):
@@ -235,7 +250,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
 
 
 def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,
-                   progress: bool = True) -> Summary:
+                   progress: bool = True, sign_key: bytes | None = None) -> Summary:
     from deepinfer.runtime import knobs
 
     start = time.perf_counter()
@@ -258,7 +273,7 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
         weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if tokenizer else None,
         vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
     )
-    write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan.weight_names, layout), tokenizer)
+    write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan.weight_names, layout), tokenizer, sign_key)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
     return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
                    time.perf_counter() - start, recipe.output)

@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from deepinfer.runtime.manifest import MAGIC, Manifest, sha256_file
+from deepinfer.runtime.manifest import MAGIC, Manifest, sha256_file, sign
 
 from .recipe import RecipeError
 
@@ -35,8 +35,9 @@ def check_output(out: Path):
 
 
 def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], write_weights,
-                 tokenizer_file: Path | None) -> Path:
-    """`write_weights(directory)` writes the manifest's weight files into `directory`."""
+                 tokenizer_file: Path | None, sign_key: bytes | None = None) -> Path:
+    """`write_weights(directory)` writes the manifest's weight files into `directory`; with
+    `sign_key` the manifest (which lists every file's sha256) is signed with it."""
     out = Path(out)
     check_output(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +53,8 @@ def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], w
             shutil.copyfile(tokenizer_file, staging / manifest.tokenizer)
         manifest.files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         (staging / "manifest.json").write_text(manifest.to_json())
+        if sign_key is not None:
+            sign(staging, sign_key)
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

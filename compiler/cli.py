@@ -46,15 +46,21 @@ def main():
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="compile cache (default: DEEPINFER_CACHE_DIR or ~/.cache/deepinfer)")
 @click.option("--timeout", default=900.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="seconds one region may compile before it is killed")
-def build(recipe, out, backend, jobs, cache_dir, timeout):
+@click.option("--sign-key", type=click.Path(dir_okay=False),
+              help="deploy key file: sign the bundle (HMAC-SHA256 of its manifest) for deepinfer-run --verify-key")
+def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key):
     """Compile RECIPE (YAML) into a bundle: trace, split, compile each unique region once, write
     the bundle. Exits 2 on a bad recipe, 1 when a region fails (with a report per region), 130 on
     Ctrl-C (regions that finished stay cached; rerun to continue)."""
     from .build import compile_recipe
     from .recipe import load_recipe
 
+    from deepinfer.runtime.manifest import read_key
+
     try:
-        summary = compile_recipe(load_recipe(recipe, backend=backend, output=out), jobs=jobs, cache_dir=cache_dir, timeout=timeout)
+        key = read_key(sign_key) if sign_key else None
+        summary = compile_recipe(load_recipe(recipe, backend=backend, output=out), jobs=jobs, cache_dir=cache_dir,
+                                 timeout=timeout, sign_key=key)
     except DeepinferError as err:
         click.echo(f"deepinfer-compile: {err}", err=True)
         sys.exit(err.exit_code)

@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-STEP_INPUTS = {
-    "prefill": ("tokens", "positions", "slots", "read_slot", "last_index"),
-    "decode": ("tokens", "positions", "slots"),
-}
+from deepinfer.runtime.step import STEP_FIELDS
 
 
 @dataclass
@@ -67,9 +64,9 @@ class _Call(nn.Module):
 
 
 def example_step_inputs(method: str, bucket: int) -> list[torch.Tensor]:
-    """Step inputs of one (method, bucket), in STEP_INPUTS order (int64 index tensors)."""
+    """Step inputs of one (method, bucket), in STEP_FIELDS order (int64 index tensors)."""
     sizes = {"tokens": bucket, "positions": bucket, "slots": bucket, "read_slot": 1, "last_index": 1}
-    return [torch.zeros(sizes[name], dtype=torch.int64) for name in STEP_INPUTS[method]]
+    return [torch.zeros(sizes[name], dtype=torch.int64) for name in STEP_FIELDS[method]]
 
 
 def trace_programs(model: nn.Module, buckets: dict[str, list[int]], max_seqs: int, max_len: int,
@@ -103,9 +100,9 @@ def _record_driver(model, method, bucket, inputs, kv, units, canonical) -> Trace
         for handle in handles:
             handle.remove()
 
-    names = {id(t): n for n, t in zip(STEP_INPUTS[method], inputs)}
+    names = {id(t): n for n, t in zip(STEP_FIELDS[method], inputs)}
     names.update({id(t): f"kv.{i}" for i, t in enumerate(kv)})
-    program = TracedProgram(method, bucket, list(STEP_INPUTS[method]), output="")
+    program = TracedProgram(method, bucket, list(STEP_FIELDS[method]), output="")
     for module, args, outputs in recorded:
         path = paths[module]
         kind = f"layer.{module.kind}" if path.startswith("layers.") else path
@@ -127,9 +124,9 @@ def _whole_method(model, method, bucket, inputs, kv, units, canonical) -> Traced
     key = f"model/{method}/{bucket}"
     units[key] = _export(_Call(model, method, len(inputs)), (*inputs, *kv), key, "")
     weights = [canonical[id(tensor_at(model, w))] for w in units[key].weight_names]
-    arg_names = list(STEP_INPUTS[method]) + [f"kv.{i}" for i in range(len(kv))]
+    arg_names = list(STEP_FIELDS[method]) + [f"kv.{i}" for i in range(len(kv))]
     call = UnitCall(key, "", arg_names, ["model:0"], weights)
-    return TracedProgram(method, bucket, list(STEP_INPUTS[method]), "model:0", [call])
+    return TracedProgram(method, bucket, list(STEP_FIELDS[method]), "model:0", [call])
 
 
 def _export(wrapper: _Call, args, key: str, module_path: str) -> Unit:

@@ -28,13 +28,14 @@ from .manifest import peek_world_size
 from .sampling import SamplingParams
 
 
-def open_bundle(bundle: Path, under_torchrun: bool):
+def open_bundle(bundle: Path, under_torchrun: bool, verify_key_file: Path | None = None):
     """A single-rank executor, or for a multi-rank bundle the leader of its follower ranks."""
     from .executor import BundleExecutor
+    from .manifest import read_key
 
     if peek_world_size(bundle) == 1:
-        return BundleExecutor(bundle)
-    return Leader(bundle, torchrun=under_torchrun)
+        return BundleExecutor(bundle, verify_key=read_key(verify_key_file) if verify_key_file else None)
+    return Leader(bundle, torchrun=under_torchrun, verify_key_file=verify_key_file)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -44,36 +45,43 @@ def parse_ids(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r}: give comma-separated token ids, e.g. 1,2,3", param_hint="--prompt-ids") from None
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="deepinfer", prog_name="deepinfer-run")
 @click.option("--bundle", required=True, type=click.Path(file_okay=False), help="bundle directory from deepinfer-compile")
 @click.option("--prompt", "prompts", multiple=True, help="prompt text (repeatable)")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="prompt as token ids, e.g. 1,2,3 (repeatable)")
-@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", default=0, show_default=True, help="sampling seed")
+@click.option("--top-p", default=1.0, show_default=True, help="nucleus mass in (0, 1]")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, (1 << 63) - 1), help="sampling seed")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_json):
+@click.option("--verify-key", type=click.Path(dir_okay=False),
+              help="deploy key file: refuse the bundle unless its signature (deepinfer-compile --sign-key) matches")
+def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_json, verify_key):
     """Generate from a compiled bundle."""
     from . import knobs
     from .tokenizer import load_tokenizer
 
     if not prompts and not prompt_ids:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
-    under_torchrun = "RANK" in os.environ and "DEEPINFER_RING" not in os.environ
+    verify_key = Path(verify_key) if verify_key else None
+    under_torchrun = "RANK" in os.environ and "DEEPINFER_RING_FD" not in os.environ
     if under_torchrun and int(os.environ["RANK"]) > 0:
         from .follower import run_follower
 
-        return run_follower(Path(bundle))
+        return run_follower(Path(bundle), verify_key)
     executor = None
     try:
+        sampling = SamplingParams(temperature, top_p, seed)
+        sampling.check()  # before the bundle loads: a bad flag should not cost a start-up
+        trace_path = knobs.region_trace_path()
         load_start = time.perf_counter()
-        executor = open_bundle(Path(bundle), under_torchrun)
+        executor = open_bundle(Path(bundle), under_torchrun, verify_key)
         m = executor.manifest
         tokenizer = load_tokenizer(executor.bundle if m.tokenizer else None, m.vocab_size)
         load_seconds = time.perf_counter() - load_start
-        engine = Engine(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id)
-        sampling = SamplingParams(temperature, top_p, seed)
+        engine = Engine(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id,
+                        m.vocab_size)
         all_ids = [tokenizer.encode(p) for p in prompts] + [parse_ids(p) for p in prompt_ids]
         results = engine.generate([Request(ids, max_tokens, sampling) for ids in all_ids])
     except DeepinferError as err:
@@ -91,16 +99,24 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
             executor.shutdown()
 
     texts = [tokenizer.decode(r.token_ids) for r in results]
+    _print_results(prompts, prompt_ids, results, texts, as_json, load_seconds, executor.host_seconds)
     if executor.trace_events is not None:
-        executor.write_trace(knobs.region_trace_path())
+        try:
+            executor.write_trace(trace_path)
+        except OSError as err:  # the results are out already; only the trace is lost
+            click.echo(f"deepinfer-run: could not write the region trace to {trace_path}: {err.strerror}", err=True)
+            sys.exit(1)
+
+
+def _print_results(prompts, prompt_ids, results, texts, as_json: bool, load_seconds: float, host_seconds):
     if as_json:
         timing = {
             "load": load_seconds,
             "ttft": sum(r.ttft for r in results) / len(results),
             "tpot": sum(r.tpot for r in results) / len(results),
         }
-        if executor.host_seconds is not None:
-            timing["host_region_seconds"] = executor.host_seconds
+        if host_seconds is not None:
+            timing["host_region_seconds"] = host_seconds
         out = [{"prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "text": t, "finish_reason": r.finish_reason}
                for r, t in zip(results, texts)]
         click.echo(json.dumps({"results": out, "timing": timing}))

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from . import knobs
 from .collectives import set_groups
+from .errors import DeepinferError
 
 
 def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_port: int,
@@ -15,8 +16,17 @@ def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_po
     """`node_size` (ranks per node group) also makes the world.inner / world.outer groups of the
     hierarchical all-reduce."""
     timeout = timedelta(seconds=knobs.collective_timeout_s())
-    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timeout)
+    startup = knobs.startup_timeout_s()
+    try:
+        # Start-up (ranks loading their shards at different speeds) has its own, longer bound than
+        # a collective: the store's timeout bounds the rendezvous, the group's every collective.
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timedelta(seconds=startup))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except (RuntimeError, dist.DistError) as err:
+        raise DeepinferError(
+            f"rank {rank}: the {world_size} ranks did not all meet at {master_addr}:{master_port} within "
+            f"{startup:.0f} s ({str(err).strip().splitlines()[0]}). A rank failed to start or is still loading; its own "
+            "output says which. On a slow or busy host raise DEEPINFER_STARTUP_TIMEOUT.") from None
     groups = {"world": dist.group.WORLD}
     groups["tp"] = _own_group([list(range(s, s + tp)) for s in range(0, world_size, tp)], rank, timeout)
     if node_size:

@@ -52,17 +52,28 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, executor, prefill_buckets, decode_buckets, max_seqs: int, max_len: int, eos_id: int | None):
+    def __init__(self, executor, prefill_buckets, decode_buckets, max_seqs: int, max_len: int, eos_id: int | None,
+                 vocab_size: int | None = None):
         self.executor = executor
         self.prefill_buckets = sorted(prefill_buckets)
         self.decode_buckets = sorted(decode_buckets)
-        self.max_seqs, self.max_len, self.eos_id = max_seqs, max_len, eos_id
+        self.max_seqs, self.max_len, self.eos_id, self.vocab_size = max_seqs, max_len, eos_id, vocab_size
         self.scratch = max_seqs
 
     def check(self, request: Request):
+        """Refuse what the compiled graphs cannot take: they index embeddings and the cache with
+        these values and no bounds checks."""
         n = len(request.prompt_ids)
         if n == 0:
             raise DeepinferError("empty prompt: give at least one token.")
+        if self.vocab_size is not None:
+            bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise DeepinferError(f"token id {bad[0]} is outside the model's vocabulary [0, {self.vocab_size}); "
+                                     "prompt ids must come from this model's tokenizer.")
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise DeepinferError(f"max_tokens={request.max_tokens!r}: give at least 1.")
+        request.sampling.check()
         if n >= self.max_len:
             raise DeepinferError(
                 f"prompt of {n} tokens is past the context limit: the bundle's KV pool holds "
@@ -86,13 +97,18 @@ class Engine:
                 logits = self._prefill(seq)
                 self._append(seq, logits, start)
                 active.append(seq)
+                self._retire(active, free_slots, results)  # its first token may already end it
             if active:
                 self._decode(active, start)
-            for seq in [s for s in active if s.result.finish_reason]:
-                active.remove(seq)
-                free_slots.append(seq.slot)
-                results[seq.index] = seq.result
+            self._retire(active, free_slots, results)
         return results
+
+    @staticmethod
+    def _retire(active: list[_Sequence], free_slots: list[int], results: list):
+        for seq in [s for s in active if s.result.finish_reason]:
+            active.remove(seq)
+            free_slots.append(seq.slot)
+            results[seq.index] = seq.result
 
     def _prefill(self, seq: _Sequence) -> torch.Tensor:
         """Run the prompt in chunks: the largest bucket while more remains, then the smallest that fits."""

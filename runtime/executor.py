@@ -17,7 +17,7 @@ from . import knobs
 from .collectives import run_collective
 from .backends import load_region
 from .manifest import BundleError, read_manifest
-from .step import Step
+from .step import STEP_FIELDS, Step
 from .versions import toolchain_versions
 
 
@@ -36,31 +36,78 @@ class _Plan:
 
 
 class BundleExecutor:
-    def __init__(self, bundle: str | Path, rank: int = 0):
+    def __init__(self, bundle: str | Path, rank: int = 0, verify_key: bytes | None = None):
         self.bundle = Path(bundle)
-        self.manifest = m = read_manifest(self.bundle, toolchain_versions(), rank)
+        self.manifest = m = read_manifest(self.bundle, toolchain_versions(), rank, verify_key)
         self.rank = rank
-        functions = {fp: load_region(r.backend, self.bundle / r.file) for fp, r in m.regions.items()}
-        weights = load_file(self.bundle / m.weight_files[rank])
-        dtype = getattr(torch, m.kv.dtype)
-        self.kv = [torch.zeros(m.kv.shape, dtype=dtype) for _ in range(m.kv.layers)]
+        weights = self._load_weights(self.bundle / m.weight_files[rank])
+        self.kv = self._allocate_kv()
         fixed = {**weights, **{f"kv.{i}": t for i, t in enumerate(self.kv)}}
+        # Every tensor a region will read or write is checked against the specs it was compiled
+        # for BEFORE any region is loaded: a compiled region indexes memory without bounds checks.
+        for key, program in m.programs.items():
+            self._check_shapes(key, program, fixed)
+        functions = {fp: load_region(r.backend, self.bundle / r.file) for fp, r in m.regions.items()}
         self.plans = {key: self._resolve(key, program, functions, fixed) for key, program in m.programs.items()}
         self.host_seconds: dict[str, float] | None = {} if knobs.host_timing() else None
         self.trace_events: list | None = [] if knobs.region_trace_path() else None
+
+    def _load_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(path)
+        except Exception as err:  # safetensors raises its own types for a bad header
+            raise BundleError(f"{path}: not a readable safetensors file ({err}). Recompile the bundle.") from None
+
+    def _allocate_kv(self) -> list[torch.Tensor]:
+        kv = self.manifest.kv
+        try:
+            return [torch.zeros(kv.shape, dtype=getattr(torch, kv.dtype)) for _ in range(kv.layers)]
+        except RuntimeError as err:  # out of memory
+            size = torch.Size(kv.shape).numel() * getattr(torch, kv.dtype).itemsize * kv.layers
+            raise BundleError(f"{self.bundle}: the KV pool ({kv.layers} x {kv.shape} {kv.dtype}, {size / 2**30:.1f} GiB) "
+                              f"does not fit in this host's memory ({str(err).splitlines()[0]}). Recompile with a smaller "
+                              "kv.max_seqs or kv.max_len.") from None
+
+    def _check_shapes(self, key: str, program, fixed: dict):
+        """Walk the program with (shape, dtype) per value: step inputs from the bucket, weights and
+        KV layers as loaded, region outputs as declared; every region input must match its spec."""
+        where = f"{self.bundle}/manifest.json: program {key}"
+        method, bucket = program.method, program.bucket
+        expected_inputs = list(STEP_FIELDS.get(method, ()))
+        if program.inputs != expected_inputs or key != f"{method}/{bucket}":
+            raise BundleError(f"{where} takes {program.inputs}, but a {method!r} step gives {expected_inputs}; recompile the bundle.")
+        known = {name: ([1] if name in ("read_slot", "last_index") else [bucket], "int64") for name in expected_inputs}
+        known.update({name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in fixed.items()})
+        for n, step in enumerate(program.steps):
+            got = []
+            for name in step.inputs:
+                if name not in known:
+                    raise BundleError(f"{where} reads {name!r} before anything writes it (a weight missing from "
+                                      f"{self.manifest.weight_files[self.rank]}?); recompile the bundle.")
+                got.append(known[name])
+            if step.collective:
+                outputs = [_collective_output(step.collective, spec) for spec in got]
+            else:
+                region = self.manifest.regions[step.region]
+                wanted = [(s.shape, s.dtype) for s in region.inputs]
+                if got != wanted:
+                    bad = next((i for i, (g, w) in enumerate(zip(got, wanted)) if g != w), min(len(got), len(wanted)))
+                    what = (f"input {bad} ({step.inputs[bad]}) is {got[bad]} but the region was compiled for {wanted[bad]}"
+                            if bad < min(len(got), len(wanted)) else f"it passes {len(got)} inputs to a region of {len(wanted)}")
+                    raise BundleError(f"{where}, step {n} (region {step.region}): {what}. Running it would read or write "
+                                      "out of bounds; the bundle's weights or manifest do not match its regions. Recompile it.")
+                outputs = [(s.shape, s.dtype) for s in region.outputs]
+            if len(outputs) != len(step.outputs):
+                raise BundleError(f"{where}, step {n}: {len(step.outputs)} outputs named for {len(outputs)} produced.")
+            known.update(zip(step.outputs, outputs))
+        if program.output not in known or known[program.output][1] != "float32":
+            raise BundleError(f"{where}: its output {program.output!r} is not a float32 value the program computes.")
 
     def _resolve(self, key, program, functions, fixed) -> _Plan:
         slots = {name: i for i, name in enumerate(program.inputs)}
         calls = []
         for step in program.steps:
-            args = []
-            for name in step.inputs:
-                if name in fixed:
-                    args.append(fixed[name])
-                elif name in slots:
-                    args.append(slots[name])
-                else:
-                    raise BundleError(f"{self.bundle}/manifest.json: program {key} reads {name!r} before anything writes it.")
+            args = [fixed[name] if name in fixed else slots[name] for name in step.inputs]
             outputs = [slots.setdefault(name, len(slots)) for name in step.outputs]
             if step.collective:
                 spec = step.collective
@@ -101,3 +148,15 @@ class BundleExecutor:
     def write_trace(self, path: Path):
         """Chrome trace format (load it in Perfetto or chrome://tracing)."""
         Path(path).write_text(json.dumps({"traceEvents": self.trace_events, "displayTimeUnit": "ms"}))
+
+
+def _collective_output(spec: dict, value: tuple[list[int], str]) -> tuple[list[int], str]:
+    """(shape, dtype) after a collective: an all-reduce keeps it, an all-gather grows one dim."""
+    shape, dtype = value
+    if spec.get("op") == "all_gather":
+        dim, size = spec.get("dim"), spec.get("group_size")
+        if not isinstance(dim, int) or not isinstance(size, int) or not -len(shape) <= dim < len(shape) or size < 1:
+            raise BundleError(f"all_gather step {spec} has a bad dim or group_size; recompile the bundle.")
+        shape = list(shape)
+        shape[dim] *= size
+    return shape, dtype

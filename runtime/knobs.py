@@ -16,24 +16,39 @@ def host_timing() -> bool:
 
 
 def region_trace_path() -> Path | None:
-    """DEEPINFER_REGION_TIMING=1 (or =PATH): write a Chrome-trace JSON of region calls (Perfetto)."""
+    """DEEPINFER_REGION_TIMING=1 (or =PATH): write a Chrome-trace JSON of region calls (Perfetto).
+    A PATH whose directory does not exist is an error here, before anything runs."""
     value = os.environ.get("DEEPINFER_REGION_TIMING", "")
     if value in ("", "0"):
         return None
-    return Path("deepinfer-region-trace.json" if value == "1" else value)
+    path = Path("deepinfer-region-trace.json" if value == "1" else value)
+    if not path.parent.is_dir() or path.is_dir():
+        raise DeepinferError(f"DEEPINFER_REGION_TIMING={value!r}: {path.parent} is not an existing directory to write "
+                             "the trace file in; give a file path in one, or 1 for ./deepinfer-region-trace.json.")
+    return path
 
 
 def collective_timeout_s() -> float:
     """DEEPINFER_COLLECTIVE_TIMEOUT=SECONDS: how long a rank waits in a collective for the others
     before the job stops with an error (default 300; a rank that stops responding ends the job then)."""
-    value = os.environ.get("DEEPINFER_COLLECTIVE_TIMEOUT") or "300"
+    return _seconds("DEEPINFER_COLLECTIVE_TIMEOUT", 300, "a rank may wait in a collective")
+
+
+def startup_timeout_s() -> float:
+    """DEEPINFER_STARTUP_TIMEOUT=SECONDS: how long ranks wait for each other to start, load their
+    shard and meet (default 600; loading a large bundle on a busy host takes a while)."""
+    return _seconds("DEEPINFER_STARTUP_TIMEOUT", 600, "ranks may take to start and meet")
+
+
+def _seconds(name: str, default: float, what: str) -> float:
+    value = os.environ.get(name) or str(default)
     try:
         seconds = float(value)
     except ValueError:
         seconds = 0.0
-    if not seconds > 0:
-        raise DeepinferError(f"DEEPINFER_COLLECTIVE_TIMEOUT={value!r}: give the seconds a rank may wait in a "
-                             "collective as a positive number, e.g. 60, or unset it for the default of 300.")
+    if not 0 < seconds < 1e9:
+        raise DeepinferError(f"{name}={value!r}: give the seconds {what} as a positive number, e.g. 60, "
+                             f"or unset it for the default of {default}.")
     return seconds
 
 

@@ -8,8 +8,10 @@ The leader then writes one record per step into the ring and runs the step itsel
 
 Failure is fatal and fast: a watchdog thread polls the followers every 50 ms; when one dies or
 raises, the leader prints its rank and last words, kills the rest and exits 1. Followers die
-with the leader (PR_SET_PDEATHSIG) and also check the leader's pid while waiting. The ring's file
-is unlinked as soon as every rank has attached, so no /dev/shm segment outlives the job.
+with the leader (PR_SET_PDEATHSIG) and also check the leader's pid while waiting. Spawned
+followers inherit the ring's descriptor after its file is unlinked, and log to unnamed files, so
+no /dev/shm segment or temp directory outlives the job; under torchrun the ring is unlinked as
+soon as every rank has attached.
 """
 
 import ctypes
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from .errors import DeepinferError
 from .executor import BundleExecutor
 from .manifest import peek_world_size, sha256_file
-from .shm_ring import ShmRing
+from .shm_ring import SHM_DIR, ShmRing
 from .step import Step, encode, payload_words
 from .versions import toolchain_versions
 
@@ -38,13 +40,6 @@ RING_SLOTS = 8
 
 class RankFailed(DeepinferError):
     pass
-
-
-def max_bucket_of(bundle: Path) -> int:
-    """The widest step record, read before verification (ring sizes must agree on every rank)."""
-    import json
-
-    return max(max(b) for b in json.loads((bundle / "manifest.json").read_text())["buckets"].values())
 
 
 def torchrun_ring_name() -> str:
@@ -57,14 +52,18 @@ def node_size(manifest) -> int | None:
     return manifest.parallel.get("hierarchical_allreduce") or None
 
 
-def join(bundle: Path, rank: int, world_size: int, master_addr: str, master_port: int) -> BundleExecutor:
-    """Join the process groups, load this rank's shard, and check every rank loaded the same bundle."""
+def max_bucket(manifest) -> int:
+    """The widest step record (ring sizes must agree on every rank)."""
+    return max(max(b) for b in manifest.buckets.values())
+
+
+def join(executor: BundleExecutor, rank: int, world_size: int, master_addr: str, master_port: int):
+    """Join the process groups with this rank's loaded bundle, and check every rank loaded the same one."""
     from .distributed import init_groups
 
-    executor = BundleExecutor(bundle, rank)
     m = executor.manifest
     init_groups(rank, world_size, m.parallel["tp"], master_addr, master_port, node_size=node_size(m))
-    mine = {"rank": rank, "manifest": sha256_file(Path(bundle) / "manifest.json"), "toolchain": toolchain_versions(),
+    mine = {"rank": rank, "manifest": sha256_file(executor.bundle / "manifest.json"), "toolchain": toolchain_versions(),
             "world_size": m.parallel["world_size"]}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)  # also the barrier after which the ring may be unlinked
@@ -73,55 +72,72 @@ def join(bundle: Path, rank: int, world_size: int, master_addr: str, master_port
             if other[key] != mine[key]:
                 raise RankFailed(f"rank {other['rank']} loaded a different {key} than rank {rank} "
                                  f"({other[key]} vs {mine[key]}): every rank must run the same bundle and toolchain.")
-    return executor
 
 
 class Leader:
-    """The executor the engine drives on rank 0: feeds each step to the followers, then runs it."""
+    """The executor the engine drives on rank 0: feeds each step to the followers, then runs it.
 
-    def __init__(self, bundle: Path, torchrun: bool = False):
+    Rank 0 verifies and loads its own shard before any follower starts, so a bad or tampered
+    bundle is refused before anything else runs. Spawned followers get the ring as an inherited
+    descriptor of an already unlinked file and write their output to unnamed temporary files:
+    nothing of the job is left in /dev/shm or the temp dir, however it ends."""
+
+    def __init__(self, bundle: Path, torchrun: bool = False, verify_key_file: Path | None = None):
+        from .manifest import read_key
+
         self.bundle = Path(bundle)
-        self.world_size = peek_world_size(self.bundle)
-        self.max_bucket = max_bucket_of(self.bundle)
         self.followers: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
+        self.logs: list = []  # each follower's unnamed output file
         self.stopping = False
         self.step_id = 0
-        ring_name = torchrun_ring_name() if torchrun else None
-        self.ring = ShmRing.create(self.world_size - 1, payload_words(self.max_bucket), RING_SLOTS, name=ring_name)
+        if not torchrun:
+            # Ranks share this host's cores: W ranks each spinning up all cores' worth of OpenMP
+            # threads thrash (torchrun sets 1 for the same reason).
+            world_size = peek_world_size(self.bundle)
+            self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(int(self.threads))
+        self.executor = BundleExecutor(self.bundle, 0, read_key(verify_key_file) if verify_key_file else None)
+        self.manifest = self.executor.manifest
+        self.world_size = self.manifest.parallel["world_size"]
+        self.max_bucket = max_bucket(self.manifest)
+        words = payload_words(self.max_bucket)
+        if torchrun:
+            name = torchrun_ring_name()
+            (SHM_DIR / name).unlink(missing_ok=True)  # torchrun holds MASTER_PORT for this run: any such file is stale
+            self.ring = ShmRing.create(self.world_size - 1, words, RING_SLOTS, name=name)
+        else:
+            self.ring = ShmRing.create(self.world_size - 1, words, RING_SLOTS)
+            self.ring.unlink()  # followers inherit the descriptor
         try:
             if torchrun:
                 addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             else:
                 addr, port = "127.0.0.1", _free_port()
-                # Ranks share this host's cores: W ranks each spinning up all cores' worth of
-                # OpenMP threads thrash (torchrun sets 1 for the same reason).
-                self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // self.world_size))
-                torch.set_num_threads(int(self.threads))
-                self._spawn(addr, port)
+                self._spawn(addr, port, verify_key_file)
                 threading.Thread(target=self._watch, daemon=True).start()
-            self.executor = join(self.bundle, 0, self.world_size, addr, port)
+            join(self.executor, 0, self.world_size, addr, port)
         except BaseException:
             self.shutdown(kill=True)
             raise
         finally:
-            self.ring.unlink()  # every rank attached before join's all_gather returned
-        self.manifest = self.executor.manifest
+            self.ring.unlink()  # (torchrun) every rank attached before join's all_gather returned
 
     def __getattr__(self, name):  # host_seconds, trace_events, write_trace: the local executor's
+        if name == "executor":  # not loaded (yet)
+            raise AttributeError(name)
         return getattr(self.executor, name)
 
-    def _spawn(self, addr: str, port: int):
-        self.log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-ranks-"))
+    def _spawn(self, addr: str, port: int, verify_key_file: Path | None):
+        key_args = ["--verify-key", str(verify_key_file)] if verify_key_file else []
         for rank in range(1, self.world_size):
-            env = {**os.environ, "OMP_NUM_THREADS": self.threads, "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "MASTER_ADDR": addr,
-                   "MASTER_PORT": str(port), "DEEPINFER_RING": str(self.ring.path), "DEEPINFER_LEADER_PID": str(os.getpid())}
-            log = self.log_dir / f"rank-{rank}.log"
+            env = {**os.environ, "OMP_NUM_THREADS": self.threads, "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                   "MASTER_ADDR": addr, "MASTER_PORT": str(port), "DEEPINFER_RING_FD": str(self.ring.fd),
+                   "DEEPINFER_LEADER_PID": str(os.getpid())}
+            log = tempfile.TemporaryFile(prefix="deepinfer-rank-")  # no name on disk
             self.logs.append(log)
-            with open(log, "wb") as out:
-                self.followers.append(subprocess.Popen(
-                    [sys.executable, "-m", "deepinfer.runtime.follower", "--bundle", str(self.bundle)],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+            self.followers.append(subprocess.Popen(
+                [sys.executable, "-m", "deepinfer.runtime.follower", "--bundle", str(self.bundle), *key_args],
+                env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(self.ring.fd,), preexec_fn=_die_with_parent))
 
     def _watch(self):
         while not self.stopping:
@@ -131,11 +147,16 @@ class Leader:
                     self._fail(rank, code)
             time.sleep(0.05)
 
+    def last_words(self, rank: int) -> str:
+        """The end of a spawned follower's output (read without moving its write position)."""
+        fd = self.logs[rank - 1].fileno()
+        size = os.fstat(fd).st_size
+        return os.pread(fd, 2000, max(0, size - 2000)).decode(errors="replace").strip() or "(nothing)"
+
     def _fail(self, rank: int, code: int):
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        words = self.logs[rank - 1].read_bytes()[-2000:].decode(errors="replace").strip() or "(nothing)"
         sys.stderr.write(f"deepinfer-run: rank {rank} (pid {self.followers[rank - 1].pid}) {how}; the job stops.\n"
-                         f"rank {rank}'s last words:\n{words}\n")
+                         f"rank {rank}'s last words:\n{self.last_words(rank)}\n")
         sys.stderr.flush()
         self.shutdown(kill=True)
         os._exit(1)

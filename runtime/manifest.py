@@ -14,15 +14,21 @@ Integrity: `files` holds the sha256 of every file but the manifest; `checksum` i
 the manifest's own canonical JSON without that field. Any flipped byte is caught at load.
 """
 
+import dataclasses
 import hashlib
+import hmac
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import DeepinferError
 
 MAGIC = "deepinfer-bundle"
 SCHEMA_VERSION = 1
+SIGNATURE_FILE = "manifest.json.hmac"  # HMAC-SHA256 of manifest.json under a deploy key (optional)
+TENSOR_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool")
 
 
 class BundleError(DeepinferError):
@@ -98,18 +104,98 @@ class Manifest:
         return json.dumps(body, indent=1, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, body: dict) -> "Manifest":
-        body = dict(body)
-        body.pop("checksum", None)
-        body["kv"] = KVSpec(**body["kv"])
-        body["programs"] = {
-            k: Program(**{**p, "steps": [ScheduleStep(**s) for s in p["steps"]]}) for k, p in body["programs"].items()
-        }
-        body["regions"] = {
-            k: Region(**{**r, "inputs": [TensorSpec(**t) for t in r["inputs"]], "outputs": [TensorSpec(**t) for t in r["outputs"]]})
-            for k, r in body["regions"].items()
-        }
-        return cls(**body)
+    def from_dict(cls, body: dict, where: str = "manifest.json") -> "Manifest":
+        """Typed, field by field (a wrong type or a missing field is a BundleError naming it)."""
+        body = {k: v for k, v in body.items() if k != "checksum"}
+        return _typed(body, cls, where)
+
+
+def _typed(value, annotation, where: str):
+    """`value` (parsed JSON) as `annotation`: a dataclass, dict[str, T], list[T], T | None, or a
+    plain type. Raises BundleError naming the field path."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise BundleError(f"{where}: must be an object, not {type(value).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(annotation)}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise BundleError(f"{where}: unknown field(s) {unknown}")
+        missing = [n for n, f in fields.items() if n not in value and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise BundleError(f"{where}: missing field(s) {missing}")
+        hints = typing.get_type_hints(annotation)
+        return annotation(**{k: _typed(v, hints[k], f"{where}.{k}") for k, v in value.items()})
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _typed(value, inner, where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise BundleError(f"{where}: must be an object, not {type(value).__name__}")
+        return {k: _typed(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise BundleError(f"{where}: must be a list, not {type(value).__name__}")
+        return [_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    plain = origin or annotation
+    if not isinstance(value, plain) or (plain is int and isinstance(value, bool)):
+        raise BundleError(f"{where}: must be {plain.__name__}, not {type(value).__name__} ({str(value)[:40]!r})")
+    return value
+
+
+def check_manifest(m: Manifest, where: str):
+    """What the types cannot say: sizes in range, paths inside the bundle and checksummed, every
+    program step naming a region or a known collective."""
+    def bad(message: str):
+        raise BundleError(f"{where}: {message}. The manifest is not one deepinfer-compile writes; recompile the bundle.")
+
+    world, tp = m.parallel.get("world_size"), m.parallel.get("tp")
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= 4096 or len(m.weight_files) != world:
+        bad(f"parallel.world_size {world!r} must be a positive integer equal to the number of weight_files ({len(m.weight_files)})")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % tp:
+        bad(f"parallel.tp {tp!r} must be a positive integer dividing world_size {world}")
+    kv = m.kv
+    if not (0 < kv.max_seqs <= 1 << 16 and 0 < kv.max_len <= 1 << 24 and 0 <= kv.layers <= 4096
+            and len(kv.shape) == 3 and kv.shape[:2] == [kv.max_seqs + 1, kv.max_len] and 0 < kv.shape[2] <= 1 << 20):
+        bad(f"kv {kv} is not a pool of [max_seqs + 1, max_len, width] tensors of sane size")
+    if kv.dtype not in TENSOR_DTYPES:
+        bad(f"kv.dtype {kv.dtype!r} is not one of {TENSOR_DTYPES}")
+    if not 0 < m.vocab_size <= 1 << 22 or (m.eos_token_id is not None and not 0 <= m.eos_token_id < m.vocab_size):
+        bad(f"vocab_size {m.vocab_size} / eos_token_id {m.eos_token_id} out of range")
+    for method in ("prefill", "decode"):
+        buckets = m.buckets.get(method)
+        if not isinstance(buckets, list) or not buckets or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
+            bad(f"buckets.{method} {buckets!r} must be a list of positive integers")
+        if method == "decode" and max(buckets) > kv.max_seqs or method == "prefill" and max(buckets) > kv.max_len:
+            bad(f"buckets.{method} {buckets} does not fit the KV pool")
+        for bucket in buckets:
+            if f"{method}/{bucket}" not in m.programs:
+                bad(f"no program for {method}/{bucket}")
+    for region in m.regions.values():
+        for spec in region.inputs + region.outputs:
+            if spec.dtype not in TENSOR_DTYPES or not all(0 <= d <= 1 << 40 for d in spec.shape):
+                bad(f"region {region.file} has a bad tensor spec {spec}")
+    for key, program in m.programs.items():
+        for step in program.steps:
+            if step.collective is None and step.region not in m.regions:
+                bad(f"program {key} calls region {step.region!r}, which the manifest does not list")
+            if step.collective is not None and step.collective.get("op") not in ("all_reduce", "all_gather"):
+                bad(f"program {key} runs an unknown collective {step.collective!r}")
+    referenced = [r.file for r in m.regions.values()] + m.weight_files + ([m.tokenizer] if m.tokenizer else [])
+    for rel in list(m.files) + referenced:
+        if not _inside(rel):
+            bad(f"file {rel!r} is not a plain relative path inside the bundle")
+    for rel in referenced:
+        if rel not in m.files:
+            bad(f"{rel} is used but has no sha256 in files")
+
+
+def _inside(rel: str) -> bool:
+    path = PurePosixPath(rel)
+    return bool(rel) and not path.is_absolute() and ".." not in path.parts and "\\" not in rel and str(path) == rel
 
 
 def _checksum(body: dict) -> str:
@@ -128,21 +214,56 @@ def sha256_file(path: Path) -> str:
 def peek_world_size(bundle: Path) -> int:
     """The bundle's world size, read without verification (read_manifest then checks everything)."""
     try:
-        return int(json.loads((Path(bundle) / "manifest.json").read_text())["parallel"]["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        world_size = json.loads((Path(bundle) / "manifest.json").read_text())["parallel"]["world_size"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return 1  # let the verifying reader say what is wrong
+    return world_size if isinstance(world_size, int) and 1 < world_size <= 4096 else 1
 
 
-def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None) -> Manifest:
-    """Read and verify a bundle: magic, schema version, manifest checksum, toolchain, every file
-    (with `rank`, of the weight files only that rank's)."""
+def read_key(path: str | Path) -> bytes:
+    """A deploy key for signing (`--sign-key`) or verifying (`--verify-key`): the file's bytes,
+    surrounding whitespace stripped; at least 16 bytes (e.g. `openssl rand -hex 32 > deploy.key`)."""
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as err:
+        raise BundleError(f"{path}: cannot read the key file ({err.strerror}).") from None
+    if len(key) < 16:
+        raise BundleError(f"{path}: a deploy key needs at least 16 bytes; make one with `openssl rand -hex 32 > {path}`.")
+    return key
+
+
+def sign(bundle: Path, key: bytes):
+    """Write the bundle's signature: HMAC-SHA256 of manifest.json, which lists every file's sha256."""
+    manifest = (Path(bundle) / "manifest.json").read_bytes()
+    (Path(bundle) / SIGNATURE_FILE).write_text(hmac.new(key, manifest, hashlib.sha256).hexdigest() + "\n")
+
+
+def _verify_signature(bundle: Path, manifest: bytes, key: bytes):
+    path = bundle / SIGNATURE_FILE
+    try:
+        signature = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        raise BundleError(f"{path}: the bundle is not signed, and --verify-key asks for a signed bundle. Compile it with "
+                          "`deepinfer-compile RECIPE --sign-key KEYFILE`.") from None
+    if not hmac.compare_digest(signature, hmac.new(key, manifest, hashlib.sha256).hexdigest()):
+        raise BundleError(f"{path}: the signature does not match this manifest under the given key: the bundle was "
+                          "changed after it was signed, or signed with another key. Do not run it; recompile and sign it.")
+
+
+def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify_key: bytes | None = None) -> Manifest:
+    """Read and verify a bundle: signature (with `verify_key`), magic, schema version, manifest
+    checksum, types and ranges, paths, toolchain, every file (with `rank`, of the weight files
+    only that rank's)."""
     bundle = Path(bundle)
     path = bundle / "manifest.json"
     if not path.is_file():
         raise BundleError(f"{path}: no manifest.json. Is {bundle} a bundle written by deepinfer-compile?")
+    raw = path.read_bytes()
+    if verify_key is not None:
+        _verify_signature(bundle, raw, verify_key)
     try:
-        body = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as err:
         raise BundleError(f"{path}: not valid JSON ({err}); the bundle is corrupt. Recompile it with deepinfer-compile.") from None
     if not isinstance(body, dict) or body.get("magic") != MAGIC:
         raise BundleError(f"{path}: not a deepinfer bundle manifest (magic {body.get('magic') if isinstance(body, dict) else None!r}).")
@@ -153,7 +274,8 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None) -> Man
         )
     if body.get("checksum") != _checksum(body):
         raise BundleError(f"{path}: the manifest was edited after compilation (its checksum does not match). Recompile the bundle.")
-    manifest = Manifest.from_dict(body)
+    manifest = Manifest.from_dict(body, str(path))
+    check_manifest(manifest, str(path))
     for key, wanted in manifest.toolchain.items():
         if key in toolchain and toolchain[key] != wanted:
             raise BundleError(
@@ -165,8 +287,8 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None) -> Man
         if rel in skipped:
             continue
         file = bundle / rel
-        if not file.is_file():
-            raise BundleError(f"{file}: missing from the bundle. Copy the whole bundle directory, or recompile.")
+        if file.is_symlink() or not file.is_file():
+            raise BundleError(f"{file}: missing from the bundle (or not a plain file). Copy the whole bundle directory, or recompile.")
         if sha256_file(file) != digest:
             raise BundleError(f"{file}: checksum mismatch, the file is corrupt or was modified. Recompile the bundle or copy it again.")
     return manifest

@@ -1,8 +1,11 @@
 """Next-token choice on the leader: greedy, or temperature plus nucleus (top-p) sampling."""
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from .errors import DeepinferError
 
 
 @dataclass(frozen=True)
@@ -10,6 +13,15 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     seed: int = 0
+
+    def check(self):
+        """Raise a DeepinferError naming the first parameter out of range."""
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DeepinferError(f"temperature={self.temperature!r}: give a finite number, 0 (greedy) or more.")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise DeepinferError(f"top_p={self.top_p!r}: give a number in (0, 1].")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
+            raise DeepinferError(f"seed={self.seed!r}: give an integer in [0, 2**63).")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:

@@ -14,8 +14,9 @@ Waits spin (sched_yield) and then back off up to 1 ms, and are bounded: past `ti
 raise, and every backoff round calls `check()`, which raises if the peer died — so a dead reader
 never blocks the writer forever, nor a dead writer its readers (vLLM's MessageQueue lacks both).
 
-The backing file lives in /dev/shm; the creator unlinks it as soon as every reader has attached,
-so nothing is left behind however the processes end.
+The backing file lives in /dev/shm. A leader that spawns its readers unlinks it at once and hands
+them its descriptor (`from_fd`), so nothing is left behind however any process ends; under
+torchrun the readers find it by name, and the creator unlinks it once every reader has attached.
 """
 
 import mmap
@@ -26,38 +27,46 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import DeepinferError
+
 SHM_DIR = Path("/dev/shm")
 
 
-class RingTimeout(TimeoutError):
-    pass
+class RingTimeout(DeepinferError, TimeoutError):
+    """A peer that neither wrote nor read within the timeout; the message says which step."""
 
 
 class ShmRing:
     HEADER = 2  # written, step_id
 
-    def __init__(self, path: Path, n_readers: int, payload_words: int, n_slots: int, create: bool):
+    def __init__(self, path: Path, fd: int, n_readers: int, payload_words: int, n_slots: int, create: bool):
+        """Maps `fd` (the ring's file, which `path` names or named); the caller keeps the fd."""
         self.path, self.n_readers, self.payload_words, self.n_slots = Path(path), n_readers, payload_words, n_slots
+        self.fd = fd
         self.slot_words = self.HEADER + n_readers + payload_words
         size = self.slot_words * n_slots * 8
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            raise DeepinferError(f"step ring {path}: {os.fstat(fd).st_size} bytes, expected {size}; the ranks disagree on "
+                                 "the bundle (every rank must run the same one).")
+        self._mmap = mmap.mmap(fd, size)
         self.words = np.frombuffer(self._mmap, dtype=np.int64).reshape(n_slots, self.slot_words)
 
     @classmethod
     def create(cls, n_readers: int, payload_words: int, n_slots: int = 8, name: str | None = None) -> "ShmRing":
         path = SHM_DIR / (name or f"deepinfer-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        return cls(path, n_readers, payload_words, n_slots, create=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        return cls(path, fd, n_readers, payload_words, n_slots, create=True)
 
     @classmethod
     def attach(cls, path: Path, n_readers: int, payload_words: int, n_slots: int = 8) -> "ShmRing":
-        return cls(path, n_readers, payload_words, n_slots, create=False)
+        return cls(path, os.open(path, os.O_RDWR), n_readers, payload_words, n_slots, create=False)
+
+    @classmethod
+    def from_fd(cls, fd: int, n_readers: int, payload_words: int, n_slots: int = 8) -> "ShmRing":
+        """A ring whose (already unlinked) file a parent handed down as an open descriptor."""
+        return cls(Path(f"/proc/self/fd/{fd}"), fd, n_readers, payload_words, n_slots, create=False)
 
     def unlink(self):
         try:
@@ -68,6 +77,7 @@ class ShmRing:
     def close(self):
         self.words = None
         self._mmap.close()
+        os.close(self.fd)
 
     def write(self, step_id: int, payload: np.ndarray, check=None, timeout: float = 60.0):
         slot = self.words[step_id % self.n_slots]

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 METHODS = ("stop", "prefill", "decode")
+# The inputs each method's program reads, in the model's argument order (Step.inputs()).
+STEP_FIELDS = {"prefill": ("tokens", "positions", "slots", "read_slot", "last_index"), "decode": ("tokens", "positions", "slots")}
 HEADER_WORDS = 4  # method, bucket, read_slot, last_index
 
 

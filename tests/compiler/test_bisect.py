@@ -96,3 +96,13 @@ def test_a_failure_that_changes_between_runs_is_reported_not_bisected(tmp_path, 
     finding = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=60).run()
     assert not finding.deterministic and finding.boundary is None and finding.trials == 2
     assert "non-deterministic" in finding.signature and "SIGSEGV" in finding.signature and "exit 3" in finding.signature
+
+
+def test_a_trial_without_the_fault_compiles_and_one_with_it_fails(tmp_path):
+    recipe = load_recipe(faulty(tmp_path, ["aten.sigmoid"], "error"))
+    the_plan = plan(recipe)
+    fp = next(fp for fp, gm in the_plan.regions.items() if any("sigmoid" in str(n.target) for n in gm.graph.nodes))
+    bisector = Bisector(recipe, the_plan, fp, tmp_path / "out", timeout=300)
+    first_sigmoid = next(i for i, n in enumerate(bisector.sequence) if "sigmoid" in str(n.target))
+    assert bisector.trial(0, first_sigmoid) == "ok"
+    assert bisector.trial(0, first_sigmoid + 1).startswith("exit 3: error: NCC_INJ001")

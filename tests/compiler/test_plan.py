@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from deepinfer.compiler.build import plan
@@ -94,3 +95,11 @@ if __name__ == "__main__":
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps(summarize(plan(load_recipe(TINY_RECIPE))), indent=1) + "\n")
     print(f"wrote {GOLDEN}")
+
+
+def test_a_boundary_that_matches_no_node_is_refused(tmp_path):
+    from deepinfer.compiler.recipe import RecipeError
+
+    recipe = load_recipe(write_recipe(tmp_path, "typo", regions={"boundaries": [{"op": "aten.topk", "module": "layers.*.mlp.gat"}]}))
+    with pytest.raises(RecipeError, match=r"regions.boundaries\[0\] .* matches no node"):
+        plan(recipe)

@@ -116,3 +116,33 @@ def test_full_size_moe_layer_traces_on_meta_in_seconds():
     start = time.perf_counter()
     torch.export.export(Decode(), args)
     assert time.perf_counter() - start < 60  # generous for a loaded CI machine; ~2 s here
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight' is missing"),
+    ("no files", r"no \*\.safetensors weight files"),
+    ("quantized", r"quantization_config \(quant_method='fp8'\) is not supported yet"),
+])
+def test_a_bad_checkpoint_stops_the_compile_before_any_region_compiles(checkpoint, tmp_path, damage, message):
+    import subprocess
+    import sys
+
+    from tests.conftest import write_recipe
+
+    file = checkpoint / "model.safetensors"
+    if damage == "missing":
+        tensors = load_file(file)
+        del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+        save_file(tensors, file)
+    elif damage == "no files":
+        file.unlink()
+    else:
+        edit_config(checkpoint, quantization_config={"quant_method": "fp8"})
+    recipe = write_recipe(tmp_path, "ckpt", model={"checkpoint": str(checkpoint), "config": None},
+                          kv={"max_seqs": 4, "max_len": 64}, backend={"name": "export"},
+                          methods={"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}})
+    run = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", str(recipe), "--cache-dir", str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert len(__import__("re").findall(message, run.stderr)) == 1, run.stderr
+    assert "compiling" not in run.stderr and not (tmp_path / "cache" / "work").exists()  # nothing traced or compiled

@@ -55,3 +55,34 @@ def test_tampered_bundle_is_refused(tiny_bundle, tmp_path):
     region.write_bytes(bytes(data))
     out = run("--bundle", str(bundle), "--prompt", "hi")
     assert out.returncode == 1 and "checksum mismatch" in out.stderr and region.name in out.stderr
+
+
+def test_out_of_vocabulary_ids_are_refused_by_the_compiled_bundle(tiny_bundle):
+    for backend in ("inductor", "export"):
+        out = run("--bundle", str(tiny_bundle(backend)), "--prompt-ids", "1,320,3")
+        assert out.returncode == 1 and "token id 320 is outside the model's vocabulary" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_bad_flags_and_knobs_fail_before_loading(tiny_bundle, tmp_path):
+    bundle = str(tiny_bundle("export"))
+    for args, message in [(("--top-p", "0"), "top_p=0.0"), (("--temperature", "nan"), "temperature=nan"),
+                          (("--max-tokens", "0"), "0 is not in the range x>=1")]:
+        out = run("--bundle", bundle, "--prompt-ids", "1,2", *args)
+        assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+    out = run("--bundle", bundle, "--prompt-ids", "1,2", env={"DEEPINFER_REGION_TIMING": str(tmp_path / "no" / "trace.json")})
+    assert out.returncode == 1 and "is not an existing directory" in out.stderr
+
+
+def test_help_and_version_on_every_command():
+    import subprocess
+    import sys
+
+    for module in ("deepinfer.runtime.cli", "deepinfer.compiler.cli", "deepinfer.runtime.follower"):
+        out = subprocess.run([sys.executable, "-m", module, "-h"], capture_output=True, text=True)
+        assert out.returncode == 0 and "Usage:" in out.stdout
+    for module in ("deepinfer.runtime.cli", "deepinfer.compiler.cli"):
+        out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True)
+        assert out.returncode == 0 and "version" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", "--help"], capture_output=True, text=True)
+    assert "RECIPE" in out.stdout and "--out" in out.stdout and "bisect" in out.stdout  # how to compile, at the top

@@ -57,3 +57,28 @@ def test_sampling_is_seeded_and_top_p_narrows_to_greedy():
     assert torch.equal(tiny_p, logits.argmax(-1))
     draws = torch.stack([sample(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(s)) for s in range(20)])
     assert len(set(draws[:, 0].tolist())) > 1  # real sampling, not argmax
+
+
+def test_max_tokens_1_and_a_first_token_eos_give_exactly_one_token(model):
+    first = eager_engine(model).generate([Request([5, 6, 7], max_tokens=8)])[0].token_ids
+    [result] = eager_engine(model).generate([Request([5, 6, 7], max_tokens=1)])
+    assert result.token_ids == first[:1] and result.finish_reason == "max_tokens"
+    engine = eager_engine(model)
+    engine.eos_id = first[0]
+    [result, other] = engine.generate([Request([5, 6, 7], max_tokens=8), Request([9, 8], max_tokens=3)])
+    assert result.token_ids == first[:1] and result.finish_reason == "eos" and len(other.token_ids) <= 3
+
+
+@pytest.mark.parametrize("request_, message", [
+    (Request([1, 320, 3]), r"token id 320 is outside the model's vocabulary \[0, 320\)"),
+    (Request([-1]), r"token id -1 is outside"),
+    (Request([1], max_tokens=0), r"max_tokens=0: give at least 1"),
+    (Request([1], sampling=SamplingParams(top_p=0.0)), r"top_p=0.0: give a number in \(0, 1\]"),
+    (Request([1], sampling=SamplingParams(temperature=float("nan"))), r"temperature=nan: give a finite number"),
+    (Request([1], sampling=SamplingParams(temperature=-1.0)), r"temperature=-1.0"),
+])
+def test_bad_requests_are_refused_at_the_door(model, request_, message):
+    engine = eager_engine(model)
+    engine.vocab_size = model.config.vocab_size
+    with pytest.raises(DeepinferError, match=message):
+        engine.generate([request_])

@@ -185,13 +185,24 @@ def test_a_follower_that_stops_responding_stops_the_job_after_the_collective_tim
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
-def test_a_bad_collective_timeout_is_a_clear_error(bundles):
-    shm_before = set(os.listdir("/dev/shm"))
-    result = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, "DEEPINFER_COLLECTIVE_TIMEOUT": "soon"}, timeout=60)
+@pytest.mark.parametrize("knob", ["DEEPINFER_COLLECTIVE_TIMEOUT", "DEEPINFER_STARTUP_TIMEOUT"])
+def test_a_bad_timeout_is_a_clear_error(bundles, knob):
+    shm_before = leftovers()
+    result = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, knob: "soon"}, timeout=60)
     assert result.returncode == 1
-    assert "DEEPINFER_COLLECTIVE_TIMEOUT='soon': give the seconds" in result.stderr
+    assert f"{knob}='soon': give the seconds" in result.stderr
     assert "Traceback" not in result.stderr
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert leftovers() <= shm_before
+
+
+def test_a_short_collective_timeout_does_not_bound_start_up(bundles):
+    # Rank 0 loads its shard before the followers start, so the ranks meet seconds apart: longer
+    # than this collective timeout, which therefore must not apply to the rendezvous.
+    result = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, "DEEPINFER_COLLECTIVE_TIMEOUT": "2"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    failed = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, "DEEPINFER_STARTUP_TIMEOUT": "0.5"})
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert "did not all meet" in failed.stderr and "DEEPINFER_STARTUP_TIMEOUT" in failed.stderr
 
 
 def test_the_same_bundle_runs_under_torchrun(bundles, checkpoint):
@@ -206,10 +217,20 @@ def test_the_same_bundle_runs_under_torchrun(bundles, checkpoint):
     assert [r["token_ids"] for r in body["results"]] == [r["token_ids"] for r in direct]
 
 
-@pytest.mark.parametrize("signum, after", [(signal.SIGINT, 0.5), (signal.SIGINT, 6), (signal.SIGKILL, 6)],
-                         ids=["ctrl-c-while-starting", "ctrl-c-while-generating", "killed"])
+def leftovers() -> set[str]:
+    """deepinfer files in /dev/shm and the temp dir."""
+    import tempfile
+
+    return {p for p in os.listdir("/dev/shm") if p.startswith("deepinfer")} | \
+        {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deepinfer-ranks")}
+
+
+@pytest.mark.parametrize("signum, after", [(signal.SIGINT, 0.5), (signal.SIGKILL, 0.5), (signal.SIGKILL, 3),
+                                           (signal.SIGINT, 6), (signal.SIGKILL, 6)],
+                         ids=["ctrl-c-while-starting", "killed-while-loading", "killed-while-followers-start",
+                              "ctrl-c-while-generating", "killed"])
 def test_followers_end_with_the_leader(bundles, signum, after):
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = leftovers()
     leader, followers = start_long_generation(bundles["ws2_tp2_ep2"], 1)
     time.sleep(after)
     leader.send_signal(signum)
@@ -219,4 +240,4 @@ def test_followers_end_with_the_leader(bundles, signum, after):
     while alive(followers):
         assert time.monotonic() < deadline, "a follower outlived its leader"
         time.sleep(0.1)
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert leftovers() <= shm_before  # nothing in /dev/shm or the temp dir, however the leader ended

@@ -1,0 +1,113 @@
+"""The compile cache: entries verified on every hit, stored as each region finishes, work pruned;
+artifacts reproducible; Ctrl-C and kill -9 leave no worker behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from deepinfer.compiler.build import compile_recipe, plan
+from deepinfer.compiler.cache import CompileCache
+from deepinfer.compiler.recipe import load_recipe
+from tests.conftest import TINY_RECIPE, write_recipe
+
+SMALL = {"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}}  # 8 regions, 2 of them hold aten.sigmoid
+
+
+def flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_entry_is_dropped(tmp_path):
+    cache = CompileCache(tmp_path)
+    artifact = tmp_path / "x.ep.json"
+    artifact.write_bytes(b"artifact")
+    stored = cache.put("abc", artifact, {"backend": "export"})
+    assert cache.get("abc") == stored
+    flip_byte(stored)
+    assert cache.get("abc") is None
+    assert not (tmp_path / "regions" / "abc").exists() and list((tmp_path / "regions").iterdir()) == []
+
+
+def test_a_tampered_cache_entry_is_recompiled_not_shipped(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, "small", methods=SMALL, backend={"name": "export"}))
+    cache = tmp_path / "cache"
+    first = compile_recipe(recipe, cache_dir=cache, progress=False)
+    assert first.compiled == 8 and not any((cache / "work").iterdir())  # work pruned once cached
+    originals = {p.name: p.read_bytes() for p in (first.bundle / "regions").iterdir()}
+    entry = sorted((cache / "regions").iterdir())[0]
+    victim = next(entry.glob("artifact.*"))
+    victim.write_bytes(victim.read_bytes().replace(b'"as_int": 1', b'"as_int": 2', 1))  # an edited constant
+    again = compile_recipe(recipe, cache_dir=cache, progress=False)
+    assert (again.compiled, again.cache_hits) == (1, 7)
+    # The recompiled region is bit-identical to the first one, so the bundle is too.
+    assert {p.name: p.read_bytes() for p in (again.bundle / "regions").iterdir()} == originals
+
+
+def test_inductor_artifacts_are_reproducible(tiny_bundle, cache_dir, tmp_path):
+    tiny_bundle("inductor")  # every region compiled once into the session cache
+    the_plan = plan(load_recipe(TINY_RECIPE))
+    smallest = min(the_plan.regions, key=lambda fp: len(the_plan.regions[fp].graph.nodes))
+    from deepinfer.compiler.build import Plan, compile_regions
+
+    one = Plan(**{**the_plan.__dict__, "regions": {smallest: the_plan.regions[smallest]}})
+    fresh, _ = compile_regions(load_recipe(TINY_RECIPE), one, CompileCache(tmp_path / "fresh"), 1, 900, False)
+    assert fresh[smallest].read_bytes() == CompileCache(cache_dir).get(smallest).read_bytes()
+
+
+def _hanging_compile(tmp_path):
+    """A compile whose 2 sigmoid regions hang (3 jobs: the third slot compiles the rest), waited on until
+    the other 6 are cached."""
+    recipe = write_recipe(tmp_path, "hangs", methods=SMALL,
+                          backend={"name": "export", "options": {"inject_fault": {"ops": ["aten.sigmoid"], "action": "hang"}}})
+    cache = tmp_path / "cache"
+    compiler = subprocess.Popen([sys.executable, "-m", "deepinfer.compiler.cli", str(recipe), "--cache-dir", str(cache),
+                                 "--jobs", "3", "--timeout", "3600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while len(list((cache / "regions").glob("[0-9a-f]*"))) < 6 or len(_workers(cache)) < 2:
+        assert compiler.poll() is None and time.monotonic() < deadline, "the compile ended or stalled"
+        time.sleep(0.2)
+    return compiler, cache
+
+
+def _workers(cache) -> list[int]:
+    """Live worker processes compiling into this cache."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "deepinfer.compiler.worker" in cmdline and str(cache) in cmdline and state != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def _gone_within(cache, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _workers(cache):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_ctrl_c_stops_at_once_keeps_finished_regions_and_leaves_no_worker(tmp_path):
+    compiler, cache = _hanging_compile(tmp_path)
+    os.kill(compiler.pid, signal.SIGINT)
+    _, stderr = compiler.communicate(timeout=60)  # within seconds here; the margin is for a loaded machine
+    assert compiler.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
+    assert _gone_within(cache, 30)
+    assert len(list((cache / "regions").glob("[0-9a-f]*"))) == 6  # the finished regions stay cached
+    assert not (tmp_path / "bundles").exists() or not any((tmp_path / "bundles").iterdir())
+
+
+def test_a_killed_compiler_takes_its_workers_with_it(tmp_path):
+    compiler, cache = _hanging_compile(tmp_path)
+    os.kill(compiler.pid, signal.SIGKILL)
+    compiler.wait(timeout=60)
+    assert _gone_within(cache, 30)

@@ -100,8 +100,10 @@ class BundleExecutor:
             if len(outputs) != len(step.outputs):
                 raise BundleError(f"{where}, step {n}: {len(step.outputs)} outputs named for {len(outputs)} produced.")
             known.update(zip(step.outputs, outputs))
-        if program.output not in known or known[program.output][1] != "float32":
-            raise BundleError(f"{where}: its output {program.output!r} is not a float32 value the program computes.")
+        rows = bucket if method == "decode" else 1
+        if known.get(program.output) != ([rows, self.manifest.vocab_size], "float32"):
+            raise BundleError(f"{where}: its output {program.output!r} is not the float32 [{rows}, vocab_size="
+                              f"{self.manifest.vocab_size}] logits the engine samples from; recompile the bundle.")
 
     def _resolve(self, key, program, functions, fixed) -> _Plan:
         slots = {name: i for i, name in enumerate(program.inputs)}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch._export.serde.serialize import SerializedArtifact, deserialize
 
-from ..errors import DeepinferError
+from ..manifest import BundleError
 
 ALLOWED_TARGETS = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.deepinfer.", "_operator.getitem")
 
@@ -29,7 +29,7 @@ def load(path):
 
 def _check(path: Path, data: bytes):
     def refuse(what: str):
-        raise DeepinferError(f"{path}: {what}; an export region is a plain operator graph. The file was not written by "
+        raise BundleError(f"{path}: {what}; an export region is a plain operator graph. The file was not written by "
                              "deepinfer-compile (or was tampered with): recompile the bundle.")
 
     try:

@@ -29,8 +29,10 @@ def test_a_directory_of_user_files_is_refused_and_left_alone(tmp_path, cache_dir
 def test_a_file_as_output_is_refused(tmp_path, cache_dir):
     out = tmp_path / "notes.txt"
     out.write_text("notes")
-    run = compile_cli(TINY_RECIPE, "--backend", "export", "--out", out, "--cache-dir", cache_dir)
-    assert run.returncode == 2 and "not a directory" in run.stderr and out.read_text() == "notes"
+    recipe = load_recipe(write_recipe(tmp_path, backend={"name": "export"}), output=out)
+    with pytest.raises(RecipeError, match=r"notes.txt: exists and is not a directory"):
+        compile_recipe(recipe, cache_dir=cache_dir, progress=False)
+    assert out.read_text() == "notes"
 
 
 def test_an_empty_directory_and_an_old_bundle_are_replaced(tiny_bundle, tmp_path, cache_dir):

@@ -20,6 +20,7 @@ import shlex
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from torch import fx
 from .backends import backend_module
 from .build import Plan, compile_regions, plan
 from .cache import CompileCache
-from .pool import Job, JobResult, run_job
+from .pool import Job, JobResult, Workers, run_job
 from .recipe import Recipe, RecipeError
 from .split import export_region, module_path
 
@@ -88,6 +89,7 @@ class Bisector:
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.trials = 0
         self.chasing: str | None = None  # the signature being bisected, once reproduced
+        self.workers = Workers()
         self._extension = backend_module(recipe.backend).EXTENSION  # backends check their file's suffix
 
     def trial(self, start: int, end: int, attempt: int = 0) -> str:
@@ -110,11 +112,11 @@ class Bisector:
             torch.export.save(export_region(subgraph(self.graph, self.sequence[start:end])), work / "region.ep.pt2")
         job = Job(f"{self.fp}[{key}]", work / "region.ep.pt2", work / f"artifact.{self._extension}", self.recipe.backend,
                   self.plan.backend_options, work / "compile.log")
-        result = run_job(job, self.timeout)
+        result = run_job(job, self.timeout, self.workers)
         if result.returncode is None and self.chasing not in (None, "timeout"):
             # Chasing a crash or an error, a trial that ran out of time was slow (a busy machine),
             # not different: give it a longer bound rather than count it as another failure.
-            result = run_job(job, self.timeout * RETRY_FACTOR)
+            result = run_job(job, self.timeout * RETRY_FACTOR, self.workers)
         return result
 
     def run(self) -> Finding:
@@ -143,7 +145,7 @@ class Bisector:
     def _smallest(self, lo: int, hi: int, fails) -> int:
         """Smallest x in [lo, hi] with fails(x), for fails monotone and fails(hi) known true. Each
         round tries `jobs` cut points at once (independent trials, in parallel)."""
-        with ThreadPoolExecutor(self.jobs) as pool:
+        with ThreadPoolExecutor(self.jobs) as pool, self._kill_workers_on_interrupt():
             while lo < hi:
                 points = sorted({lo + (hi - lo) * t // (self.jobs + 1) for t in range(1, self.jobs + 1)} - {hi}) or [lo]
                 results = dict(zip(points, pool.map(fails, points)))
@@ -154,6 +156,15 @@ class Bisector:
                 else:
                     lo = points[-1] + 1
         return hi
+
+    @contextmanager
+    def _kill_workers_on_interrupt(self):
+        """Ctrl-C: kill the running trials' workers, so the pool's threads return at once."""
+        try:
+            yield
+        except BaseException:
+            self.workers.kill_all()
+            raise
 
     def _shortest_failing_prefix(self, signature: str) -> int:
         return self._smallest(1, len(self.sequence), lambda end: self.trial(0, end) == signature)

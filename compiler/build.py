@@ -90,11 +90,8 @@ def plan(recipe: Recipe) -> Plan:
         model = _model(recipe, "fake", _layout(recipe))
     except LayoutError as err:
         raise RecipeError(f"{recipe.name}: {err}") from None
-    full = _model(recipe, "meta")
     if recipe.model["checkpoint"]:
-        check_checkpoint(recipe.model["checkpoint"], full)
-    else:
-        _check_random_weights_fit(recipe, full)
+        check_checkpoint(recipe.model["checkpoint"], _model(recipe, "meta"))
     _check_kv_pool(recipe, model.config)
     backend = backend_module(recipe.backend)
     toolchain = {**toolchain_versions(), **backend.versions()}
@@ -129,10 +126,12 @@ def plan(recipe: Recipe) -> Plan:
 KV_POOL_LIMIT = 1 << 40  # bytes per rank; no host holds more
 
 
-def _check_random_weights_fit(recipe: Recipe, full_model):
+def _check_random_weights_fit(recipe: Recipe):
     """A config + seed recipe's random weights are created in memory when the bundle is written,
-    after every region compiled: check now that they fit."""
-    size = sum(p.numel() * DTYPES[recipe.dtype].itemsize for p in full_model.parameters())
+    after every region compiled: check before compiling that they fit."""
+    if recipe.model["checkpoint"]:
+        return  # streamed tensor by tensor
+    size = sum(p.numel() * DTYPES[recipe.dtype].itemsize for p in _model(recipe, "meta").parameters())
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if size > available // 2:
         raise RecipeError(f"{recipe.name}: model.config describes {size / 2**30:.1f} GiB of weights, and random weights are "
@@ -257,6 +256,7 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     check_output(recipe.output)
     cache = CompileCache(cache_dir or knobs.cache_dir())
     the_plan = plan(recipe)
+    _check_random_weights_fit(recipe)
     artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress)
 
     layout = _layout(recipe)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,23 +112,42 @@ def run_job(job: Job, timeout: float, workers: Workers | None = None) -> JobResu
 def run_jobs(jobs: list[Job], parallel: int, timeout: float, progress: bool = True, label: str = "compiling",
              on_done=None) -> list[JobResult]:
     """Every job, `parallel` at a time; `on_done(result)` runs in this thread as each one ends (the
-    build caches a finished region at once, so an interrupted compile keeps it). On Ctrl-C every
-    worker is killed at once and KeyboardInterrupt propagates, with nothing left running."""
+    build caches a finished region at once, so an interrupted compile keeps it). Ctrl-C kills
+    every worker at once and raises KeyboardInterrupt, with nothing left running.
+
+    The interrupt is taken by a handler that only sets a flag and kills the workers, and the
+    waiting loop checks the flag: a KeyboardInterrupt raised inside concurrent.futures can leave
+    its locks held, and the pool's threads would then never finish."""
     if not jobs:
         return []
     workers = Workers()
+    interrupted = threading.Event()
+
+    def on_interrupt(signum, frame):
+        interrupted.set()
+        workers.kill_all()
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_interrupt) if in_main else None
     pool = ThreadPoolExecutor(max_workers=max(1, parallel))
     try:
         with tqdm(total=len(jobs), desc=label, unit="region", disable=not progress, file=sys.stderr) as bar:
             futures = [pool.submit(run_job, job, timeout, workers) for job in jobs]
-            for future in as_completed(futures):
-                bar.update(1)
-                if on_done is not None:
-                    on_done(future.result())
+            pending = set(futures)
+            while pending and not interrupted.is_set():
+                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                for future in done:
+                    bar.update(1)
+                    if on_done is not None:
+                        on_done(future.result())
+            if interrupted.is_set():
+                raise KeyboardInterrupt
             return [future.result() for future in futures]
     finally:
-        workers.kill_all()  # a no-op after a normal end; on an interrupt the waiting threads return at once
+        workers.kill_all()  # a no-op after a normal end
         pool.shutdown(wait=True, cancel_futures=True)
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _kill_group(process: subprocess.Popen):

@@ -18,6 +18,7 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 MAX_NODES = 10_000  # values in a recipe once YAML aliases are expanded
 MAX_SEQS = 1 << 16  # sequence slots in the KV pool
 MAX_LEN = 1 << 24  # positions per slot
+MAX_BUCKETS = 64  # per method
 
 
 class RecipeError(DeepinferError):
@@ -108,6 +109,8 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
             fail(key, f"{listed} must hold positive integers.")
         if len(set(listed)) != len(listed):
             fail(key, f"{listed} lists a bucket twice.")
+        if len(listed) > MAX_BUCKETS:
+            fail(key, f"{len(listed)} buckets: at most {MAX_BUCKETS} (each is a traced and compiled program).")
         buckets[method] = sorted(listed)
     node = values["parallel"]["hierarchical_allreduce"]
     if node and (node < 2 or values["parallel"]["world_size"] % node or node == values["parallel"]["world_size"]):

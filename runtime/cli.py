@@ -14,6 +14,7 @@ Prints each prompt's continuation, or with --json one object:
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,8 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         from .follower import run_follower
 
         return run_follower(Path(bundle), verify_key)
+    if peek_world_size(Path(bundle)) > 1 and not under_torchrun:
+        signal.signal(signal.SIGINT, _interrupted)
     executor = None
     try:
         sampling = SamplingParams(temperature, top_p, seed)
@@ -89,10 +92,8 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         if isinstance(err, CollectiveFailed):
             _stop_at_once(executor, err.exit_code)  # a stuck follower would not take a stop record
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # one rank (multi-rank runs exit in _interrupted)
         click.echo("deepinfer-run: interrupted", err=True)
-        if peek_world_size(Path(bundle)) > 1:  # (a Leader interrupted while starting killed them itself)
-            _stop_at_once(executor, 130)
         sys.exit(130)
     finally:
         if isinstance(executor, Leader):
@@ -124,6 +125,15 @@ def _print_results(prompts, prompt_ids, results, texts, as_json: bool, load_seco
     labels = list(prompts) + [f"ids {p}" for p in prompt_ids]
     for label, result, text in zip(labels, results, texts):
         click.echo(f"{label!r} -> {text!r}  [{len(result.token_ids)} tokens, {result.finish_reason}]")
+
+
+def _interrupted(signum, frame):
+    """Ctrl-C on a multi-rank run: exit at once. The followers die with this process
+    (PR_SET_PDEATHSIG) and the ring has no name on disk. Handled here rather than as a
+    KeyboardInterrupt, which blocking calls inside torch.distributed may swallow or delay."""
+    sys.stderr.write("deepinfer-run: interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _stop_at_once(executor, code: int):

@@ -99,6 +99,9 @@ class BundleExecutor:
                 outputs = [(s.shape, s.dtype) for s in region.outputs]
             if len(outputs) != len(step.outputs):
                 raise BundleError(f"{where}, step {n}: {len(step.outputs)} outputs named for {len(outputs)} produced.")
+            shadowed = [name for name in step.outputs if name in fixed or name in expected_inputs]
+            if shadowed:
+                raise BundleError(f"{where}, step {n}: output {shadowed[0]!r} would shadow a weight or step input.")
             known.update(zip(step.outputs, outputs))
         rows = bucket if method == "decode" else 1
         if known.get(program.output) != ([rows, self.manifest.vocab_size], "float32"):

@@ -157,6 +157,9 @@ def check_manifest(m: Manifest, where: str):
         bad(f"parallel.world_size {world!r} must be a positive integer equal to the number of weight_files ({len(m.weight_files)})")
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % tp:
         bad(f"parallel.tp {tp!r} must be a positive integer dividing world_size {world}")
+    node = m.parallel.get("hierarchical_allreduce") or 0
+    if not isinstance(node, int) or isinstance(node, bool) or node and (node < 2 or world % node):
+        bad(f"parallel.hierarchical_allreduce {node!r} must be 0 or a group size dividing world_size {world}")
     kv = m.kv
     if not (0 < kv.max_seqs <= 1 << 16 and 0 < kv.max_len <= 1 << 24 and 0 <= kv.layers <= 4096
             and len(kv.shape) == 3 and kv.shape[:2] == [kv.max_seqs + 1, kv.max_len] and 0 < kv.shape[2] <= 1 << 20):
@@ -182,8 +185,10 @@ def check_manifest(m: Manifest, where: str):
         for step in program.steps:
             if step.collective is None and step.region not in m.regions:
                 bad(f"program {key} calls region {step.region!r}, which the manifest does not list")
-            if step.collective is not None and step.collective.get("op") not in ("all_reduce", "all_gather"):
-                bad(f"program {key} runs an unknown collective {step.collective!r}")
+            if step.collective is not None and (step.collective.get("op") not in ("all_reduce", "all_gather")
+                                                or step.collective.get("group") not in ("world", "tp") or world == 1
+                                                or step.collective.get("hierarchical") and not node):
+                bad(f"program {key} runs a collective {step.collective!r} this {world}-rank bundle cannot have")
     referenced = [r.file for r in m.regions.values()] + m.weight_files + ([m.tokenizer] if m.tokenizer else [])
     for rel in list(m.files) + referenced:
         if not _inside(rel):

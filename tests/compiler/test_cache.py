@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from deepinfer.compiler.build import compile_recipe, plan
 from deepinfer.compiler.cache import CompileCache
 from deepinfer.compiler.recipe import load_recipe
@@ -37,6 +39,7 @@ def test_a_tampered_cache_entry_is_recompiled_not_shipped(tmp_path):
     cache = tmp_path / "cache"
     first = compile_recipe(recipe, cache_dir=cache, progress=False)
     assert first.compiled == 8 and not any((cache / "work").iterdir())  # work pruned once cached
+    assert not list((cache / "regions").glob(".*"))  # no staging left
     originals = {p.name: p.read_bytes() for p in (first.bundle / "regions").iterdir()}
     entry = sorted((cache / "regions").iterdir())[0]
     victim = next(entry.glob("artifact.*"))
@@ -56,6 +59,12 @@ def test_inductor_artifacts_are_reproducible(tiny_bundle, cache_dir, tmp_path):
     one = Plan(**{**the_plan.__dict__, "regions": {smallest: the_plan.regions[smallest]}})
     fresh, _ = compile_regions(load_recipe(TINY_RECIPE), one, CompileCache(tmp_path / "fresh"), 1, 900, False)
     assert fresh[smallest].read_bytes() == CompileCache(cache_dir).get(smallest).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def hang_dir(tmp_path_factory):
+    """One recipe and cache for both interrupt tests: the second finds the 6 regions cached."""
+    return tmp_path_factory.mktemp("hangs")
 
 
 def _hanging_compile(tmp_path):
@@ -96,7 +105,8 @@ def _gone_within(cache, seconds: float) -> bool:
     return True
 
 
-def test_ctrl_c_stops_at_once_keeps_finished_regions_and_leaves_no_worker(tmp_path):
+def test_ctrl_c_stops_at_once_keeps_finished_regions_and_leaves_no_worker(hang_dir):
+    tmp_path = hang_dir
     compiler, cache = _hanging_compile(tmp_path)
     os.kill(compiler.pid, signal.SIGINT)
     interrupted = time.monotonic()
@@ -108,8 +118,8 @@ def test_ctrl_c_stops_at_once_keeps_finished_regions_and_leaves_no_worker(tmp_pa
     assert not (tmp_path / "bundles").exists() or not any((tmp_path / "bundles").iterdir())
 
 
-def test_a_killed_compiler_takes_its_workers_with_it(tmp_path):
-    compiler, cache = _hanging_compile(tmp_path)
+def test_a_killed_compiler_takes_its_workers_with_it(hang_dir):
+    compiler, cache = _hanging_compile(hang_dir)
     os.kill(compiler.pid, signal.SIGKILL)
     compiler.wait(timeout=60)
     assert _gone_within(cache, 30)

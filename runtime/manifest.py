@@ -288,10 +288,13 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify
                 f"Compiled artifacts are tied to the toolchain: recompile the recipe here, or run with {key} {wanted}."
             )
     skipped = set() if rank is None else set(manifest.weight_files) - {manifest.weight_files[rank]}
+    root = bundle.resolve()
     for rel, digest in manifest.files.items():
         if rel in skipped:
             continue
         file = bundle / rel
+        if not file.resolve().is_relative_to(root):
+            raise BundleError(f"{file}: leads outside the bundle (a symlinked directory?); a bundle holds its own files.")
         if file.is_symlink() or not file.is_file():
             raise BundleError(f"{file}: missing from the bundle (or not a plain file). Copy the whole bundle directory, or recompile.")
         if sha256_file(file) != digest:

@@ -158,3 +158,11 @@ def test_compile_signs_with_a_deploy_key(tiny_bundle, cache_dir, tmp_path):
                                  capture_output=True, text=True, timeout=600)
     assert compile_run.returncode == 0, compile_run.stderr
     assert run(out, "--verify-key", key).returncode == 0
+
+
+def test_a_symlinked_directory_out_of_the_bundle_is_refused(bundle, tmp_path):
+    outside = tmp_path / "elsewhere"
+    (bundle / "regions").rename(outside)
+    (bundle / "regions").symlink_to(outside)
+    with pytest.raises(BundleError, match="leads outside the bundle"):
+        read_manifest(bundle, toolchain_versions())

@@ -16,7 +16,7 @@ from .recipe import RecipeError
 
 def check_output(out: Path):
     """Refuse an output path that exists and is not a bundle (checked before any compile work,
-    and again just before the old bundle is replaced)."""
+    and again just before the old bundle is replaced: it may have changed meanwhile)."""
     out = Path(out)
     if not out.exists() and not out.is_symlink():
         return
@@ -39,7 +39,6 @@ def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], w
     """`write_weights(directory)` writes the manifest's weight files into `directory`; with
     `sign_key` the manifest (which lists every file's sha256) is signed with it."""
     out = Path(out)
-    check_output(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

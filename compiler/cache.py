@@ -49,9 +49,10 @@ class CompileCache:
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(staging, self._entry(fingerprint))
-        except OSError:  # another compile stored it first; theirs is as good as ours
+        except OSError:  # another compile stored it first; theirs is as good as ours (once verified)
             shutil.rmtree(staging)
-        return self.get(fingerprint)
+            return self.get(fingerprint)
+        return self._entry(fingerprint) / name
 
     def _drop(self, entry: Path):
         aside = Path(tempfile.mkdtemp(prefix=f".{entry.name}.bad.", dir=entry.parent))

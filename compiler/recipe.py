@@ -13,6 +13,8 @@ import yaml
 from deepinfer.models import model_config
 from deepinfer.runtime.errors import DeepinferError
 
+from .backends import BACKENDS, backend_module, options_problem
+
 METHODS = ("prefill", "decode")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 MAX_NODES = 10_000  # values in a recipe once YAML aliases are expanded
@@ -131,7 +133,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
                  "e.g. {op: aten.topk, module: 'layers.*.mlp.gate'}.")
     backend_name = backend or values["backend"]["name"]
     _check_backend(backend_name, lambda message: fail("backend.name", message))
-    problem = _backend_options_problem(backend_name, values["backend"]["options"])
+    problem = options_problem(backend_name, values["backend"]["options"])
     if problem:
         fail("backend.options", problem)
     try:
@@ -158,14 +160,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     )
 
 
-def _backend_options_problem(name: str, options: dict) -> str | None:
-    from .backends import backend_module
-
-    return backend_module(name).options_problem(options)
-
-
 def _check_backend(name: str, fail):
-    from .backends import BACKENDS, backend_module
 
     if name not in BACKENDS:
         fail(f"unknown backend {name!r}; choose one of {list(BACKENDS)}.")

@@ -14,30 +14,25 @@ never need it.
 import ctypes
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 
-def _die_with_compiler():
-    """SIGKILL this worker when the compiler that started it dies, however it dies (before the
-    slow torch import, so a compiler killed at once leaves no worker behind either)."""
-    compiler = int(os.environ.get("DEEPINFER_COMPILER_PID", "0"))
-    if compiler:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != compiler:  # it died before the prctl took effect
-            os._exit(1)
+from deepinfer.runtime.lifetime import die_with_parent
 
-
-_die_with_compiler()
+# Die with the compiler that started this worker, however it dies; armed before the slow torch
+# import, so a compiler killed at once leaves no worker behind either.
+if os.environ.get("DEEPINFER_COMPILER_PID"):
+    die_with_parent()
+    if os.getppid() != int(os.environ["DEEPINFER_COMPILER_PID"]):  # it died before the prctl took effect
+        os._exit(1)
 
 import click  # noqa: E402
 import torch  # noqa: E402
 
-from .backends import backend_module
+from .backends import backend_module  # noqa: E402
 
 INJECTED_ERROR_EXIT = 3
 

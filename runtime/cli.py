@@ -32,10 +32,9 @@ from .sampling import SamplingParams
 def open_bundle(bundle: Path, under_torchrun: bool, verify_key_file: Path | None = None):
     """A single-rank executor, or for a multi-rank bundle the leader of its follower ranks."""
     from .executor import BundleExecutor
-    from .manifest import read_key
 
     if peek_world_size(bundle) == 1:
-        return BundleExecutor(bundle, verify_key=read_key(verify_key_file) if verify_key_file else None)
+        return BundleExecutor(bundle, verify_key_file=verify_key_file)
     return Leader(bundle, torchrun=under_torchrun, verify_key_file=verify_key_file)
 
 

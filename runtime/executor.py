@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from . import knobs
 from .collectives import run_collective
 from .backends import load_region
-from .manifest import BundleError, read_manifest
+from .manifest import BundleError, read_key, read_manifest
 from .step import STEP_FIELDS, Step
 from .versions import toolchain_versions
 
@@ -36,8 +36,10 @@ class _Plan:
 
 
 class BundleExecutor:
-    def __init__(self, bundle: str | Path, rank: int = 0, verify_key: bytes | None = None):
+    def __init__(self, bundle: str | Path, rank: int = 0, verify_key_file: Path | None = None):
+        """`verify_key_file`: a deploy key the bundle's signature must match (deepinfer-run --verify-key)."""
         self.bundle = Path(bundle)
+        verify_key = read_key(verify_key_file) if verify_key_file else None
         self.manifest = m = read_manifest(self.bundle, toolchain_versions(), rank, verify_key)
         self.rank = rank
         weights = self._load_weights(self.bundle / m.weight_files[rank])
@@ -86,7 +88,7 @@ class BundleExecutor:
                                       f"{self.manifest.weight_files[self.rank]}?); recompile the bundle.")
                 got.append(known[name])
             if step.collective:
-                outputs = [_collective_output(step.collective, spec) for spec in got]
+                outputs = [_collective_output(step.collective, spec, f"{where}, step {n}") for spec in got]
             else:
                 region = self.manifest.regions[step.region]
                 wanted = [(s.shape, s.dtype) for s in region.inputs]
@@ -155,13 +157,13 @@ class BundleExecutor:
         Path(path).write_text(json.dumps({"traceEvents": self.trace_events, "displayTimeUnit": "ms"}))
 
 
-def _collective_output(spec: dict, value: tuple[list[int], str]) -> tuple[list[int], str]:
+def _collective_output(spec: dict, value: tuple[list[int], str], where: str) -> tuple[list[int], str]:
     """(shape, dtype) after a collective: an all-reduce keeps it, an all-gather grows one dim."""
     shape, dtype = value
     if spec.get("op") == "all_gather":
         dim, size = spec.get("dim"), spec.get("group_size")
         if not isinstance(dim, int) or not isinstance(size, int) or not -len(shape) <= dim < len(shape) or size < 1:
-            raise BundleError(f"all_gather step {spec} has a bad dim or group_size; recompile the bundle.")
+            raise BundleError(f"{where}: all_gather {spec} has a bad dim or group_size; recompile the bundle.")
         shape = list(shape)
         shape[dim] *= size
     return shape, dtype

@@ -18,7 +18,6 @@ from . import knobs
 from .errors import DeepinferError
 from .executor import BundleExecutor
 from .launch import RING_SLOTS, join, max_bucket, torchrun_ring_name
-from .manifest import read_key
 from .shm_ring import SHM_DIR, RingTimeout, ShmRing
 from .step import decode, payload_words
 
@@ -43,7 +42,7 @@ def attach_ring(rank: int, world_size: int, width: int) -> ShmRing:
 def follow(bundle: Path, verify_key_file: Path | None):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     leader_pid = int(os.environ.get("DEEPINFER_LEADER_PID", "0"))
-    executor = BundleExecutor(bundle, rank, read_key(verify_key_file) if verify_key_file else None)
+    executor = BundleExecutor(bundle, rank, verify_key_file)
     width = max_bucket(executor.manifest)
     ring = attach_ring(rank, world_size, width)
     join(executor, rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))

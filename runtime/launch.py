@@ -14,7 +14,6 @@ no /dev/shm segment or temp directory outlives the job; under torchrun the ring 
 soon as every rank has attached.
 """
 
-import ctypes
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from .errors import DeepinferError
 from .executor import BundleExecutor
+from .lifetime import die_with_parent
 from .manifest import peek_world_size, sha256_file
 from .shm_ring import SHM_DIR, ShmRing
 from .step import Step, encode, payload_words
@@ -83,8 +83,6 @@ class Leader:
     nothing of the job is left in /dev/shm or the temp dir, however it ends."""
 
     def __init__(self, bundle: Path, torchrun: bool = False, verify_key_file: Path | None = None):
-        from .manifest import read_key
-
         self.bundle = Path(bundle)
         self.followers: list[subprocess.Popen] = []
         self.logs: list = []  # each follower's unnamed output file
@@ -96,7 +94,7 @@ class Leader:
             world_size = peek_world_size(self.bundle)
             self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
             torch.set_num_threads(int(self.threads))
-        self.executor = BundleExecutor(self.bundle, 0, read_key(verify_key_file) if verify_key_file else None)
+        self.executor = BundleExecutor(self.bundle, 0, verify_key_file)
         self.manifest = self.executor.manifest
         self.world_size = self.manifest.parallel["world_size"]
         self.max_bucket = max_bucket(self.manifest)
@@ -137,7 +135,7 @@ class Leader:
             self.logs.append(log)
             self.followers.append(subprocess.Popen(
                 [sys.executable, "-m", "deepinfer.runtime.follower", "--bundle", str(self.bundle), *key_args],
-                env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(self.ring.fd,), preexec_fn=_die_with_parent))
+                env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(self.ring.fd,), preexec_fn=die_with_parent))
 
     def _watch(self):
         while not self.stopping:
@@ -191,9 +189,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent():
-    """Runs in the child before exec: SIGKILL it when the leader dies, however it dies."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -9,7 +9,8 @@ The contract every backend module keeps, so the compile worker can drive any of 
                                        not the recipe's, go into fingerprints, so changed defaults miss the cache
     options_problem(user: dict) -> str | None
                                        what is wrong with the recipe's options (an unknown key), checked
-                                       before anything compiles
+                                       before anything compiles (the testing aid inject_fault is checked
+                                       here, by options_problem, and never reaches the backend's)
     compile(program, options, out)     ExportedProgram of one region (weights are inputs) -> file `out`
 
 Each has a loader of the same name under runtime/backends/ (`load(path) -> callable`).
@@ -24,13 +25,17 @@ def backend_module(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
+
 FAULT_ACTIONS = ("segfault", "hang", "error", "flaky")
 
 
-def fault_problem(fault) -> str | None:
-    """What is wrong with a testing `inject_fault: {ops: [PREFIX, ...], action: ...}`, or None."""
-    if (not isinstance(fault, dict) or not set(fault) <= {"ops", "action"} or not isinstance(fault.get("ops"), list)
+def options_problem(name: str, options: dict) -> str | None:
+    """What is wrong with backend `name`'s options from a recipe, or None."""
+    options = dict(options)
+    fault = options.pop("inject_fault", None)
+    if fault is not None and (
+            not isinstance(fault, dict) or not set(fault) <= {"ops", "action"} or not isinstance(fault.get("ops"), list)
             or not fault["ops"] or not all(isinstance(op, str) and op for op in fault["ops"])
             or fault.get("action", "error") not in FAULT_ACTIONS):
         return f"inject_fault is {{ops: [OP_PREFIX, ...], action: {' | '.join(FAULT_ACTIONS)}}}, not {fault!r}."
-    return None
+    return backend_module(name).options_problem(options)

@@ -44,17 +44,15 @@ def options(user: dict) -> dict:
 
 
 def options_problem(user: dict) -> str | None:
-    from . import fault_problem
-
     known = torch._inductor.config.get_config_copy()
-    unknown = sorted(str(k) for k in user if k not in known and k != "inject_fault")
+    unknown = sorted(str(k) for k in user if k not in known)
     if unknown:
         return f"{unknown} are not inductor configs (torch._inductor.config); e.g. max_autotune, cpp.threads."
     for key, value in user.items():
         default = known.get(key)
         if isinstance(default, (bool, int, float, str)) and value is not None and not _same_kind(value, default):
             return f"{key}={value!r}: inductor expects a {type(default).__name__} like its default {default!r}."
-    return fault_problem(user["inject_fault"]) if "inject_fault" in user else None
+    return None
 
 
 def compile(program, options: dict, out):
@@ -82,12 +80,10 @@ def _private_inductor_cache(program):
     with open(root / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         shutil.rmtree(work, ignore_errors=True)
-        previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work)  # (this is the region's own worker process)
         try:
             yield
         finally:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if previous is None else os.environ.update(TORCHINDUCTOR_CACHE_DIR=previous)
             shutil.rmtree(work, ignore_errors=True)
 
 

@@ -31,15 +31,13 @@ def options(user: dict) -> dict:
 
 
 def options_problem(user: dict) -> str | None:
-    from . import fault_problem
-
-    unknown = sorted(str(k) for k in set(user) - {"compiler_args", "inject_fault"})
+    unknown = sorted(str(k) for k in set(user) - {"compiler_args"})
     if unknown:
         return f"the neuron backend takes compiler_args (a list of neuronx-cc flags), not {unknown}."
     args = user.get("compiler_args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         return f"compiler_args must be a list of strings, e.g. ['--target', 'trn2'], not {args!r}."
-    return fault_problem(user["inject_fault"]) if "inject_fault" in user else None
+    return None
 
 
 def compile(program, options: dict, out):

@@ -1,4 +1,4 @@
-# make demo   set up, compile the tiny recipe with AOTInductor, generate from the bundle
+# make demo   set up, compile the tiny recipe with AOTInductor and the tiny V4 one with export, generate from both
 # make test   set up, then run the whole suite
 # make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
 VENV := .venv
@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/deepinfer-compile recipes/tiny.yaml
 	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny --prompt "Hello, DeepSeek!" --max-tokens 24
+	$(VENV)/bin/deepinfer-compile recipes/tiny-v4.yaml --backend export
+	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-v4 --prompt "Hello, DeepSeek-V4!" --max-tokens 24
 
 test: setup
 	$(PY) -m pytest -q

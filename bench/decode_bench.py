@@ -107,8 +107,8 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
     whole_bundle = BundleExecutor(whole.bundle)
     make = decode_step(0)
     model = build_model(checkpoint=checkpoint)
-    kv = model.new_kv_cache(MAX_SEQS, MAX_LEN)
-    compiled_kv = model.new_kv_cache(MAX_SEQS, MAX_LEN)
+    kv = model.new_state(MAX_SEQS, MAX_LEN)
+    compiled_kv = model.new_state(MAX_SEQS, MAX_LEN)
     with torch.inference_mode():
         compiled = torch.compile(model.decode, dynamic=False)
         start = time.perf_counter()

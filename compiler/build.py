@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_checkpoint, param_dtype_of, read_weight
+from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_checkpoint, read_weight
 from deepinfer.models.checkpoint import SafetensorsDir
 from deepinfer.models.parallel import shard
 from deepinfer.runtime.errors import DeepinferError
-from deepinfer.runtime.manifest import KVSpec, Manifest, Program, Region, ScheduleStep, TensorSpec
+from deepinfer.runtime.manifest import KVSpec, Manifest, Program, Region, ScheduleStep, StateTensor, TensorSpec
 from deepinfer.runtime.versions import toolchain_versions
 
 from . import trace
@@ -55,6 +55,7 @@ class Plan:
     region_paths: dict  # fingerprint -> module path of the unit it came from ("layers.*"), for bisect
     weight_names: list[str]
     kv: KVSpec
+    state: list[list[StateTensor]]
     model_config: dict
 
 
@@ -92,7 +93,9 @@ def plan(recipe: Recipe) -> Plan:
         raise RecipeError(f"{recipe.name}: {err}") from None
     if recipe.model["checkpoint"]:
         check_checkpoint(recipe.model["checkpoint"], _model(recipe, "meta"))
-    _check_kv_pool(recipe, model.config)
+    state = [[StateTensor(name, list(shape), _dtype_name(dtype)) for name, shape, dtype in layer]
+             for layer in model.state_specs(recipe.kv["max_seqs"], recipe.kv["max_len"])]
+    _check_state_pool(recipe, state)
     backend = backend_module(recipe.backend)
     toolchain = {**toolchain_versions(), **backend.versions()}
     options = backend.options(recipe.backend_options)
@@ -116,14 +119,12 @@ def plan(recipe: Recipe) -> Plan:
     schedules = {p.key: _schedule(p, split, hierarchical) for p in programs}
     for program in schedules.values():
         program.steps = pack_collectives(program.steps, _dtypes(program, regions))
-    cfg = model.config
-    kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], cfg.num_hidden_layers,
-                [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], cfg.kv_cache_dim], recipe.dtype)
+    kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], 0, [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], 0], recipe.dtype)
     weight_names = sorted({w for p in programs for call in p.calls for w in call.weights})
-    return Plan(schedules, regions, toolchain, options, region_paths, weight_names, kv, cfg.to_dict())
+    return Plan(schedules, regions, toolchain, options, region_paths, weight_names, kv, state, model.config.to_dict())
 
 
-KV_POOL_LIMIT = 1 << 40  # bytes per rank; no host holds more
+STATE_POOL_LIMIT = 1 << 40  # bytes per rank; no host holds more
 
 
 def _check_random_weights_fit(recipe: Recipe):
@@ -139,11 +140,18 @@ def _check_random_weights_fit(recipe: Recipe):
                           "tensor) or a smaller model.config.")
 
 
-def _check_kv_pool(recipe: Recipe, cfg):
-    kv = recipe.kv
-    size = (kv["max_seqs"] + 1) * kv["max_len"] * cfg.kv_cache_dim * cfg.num_hidden_layers * DTYPES[recipe.dtype].itemsize
-    if size > KV_POOL_LIMIT:
-        raise RecipeError(f"{recipe.name}: the KV pool of kv.max_seqs={kv['max_seqs']} x kv.max_len={kv['max_len']} "
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def state_bytes(state: list[list[StateTensor]]) -> int:
+    return sum(torch.Size(t.shape).numel() * getattr(torch, t.dtype).itemsize for layer in state for t in layer)
+
+
+def _check_state_pool(recipe: Recipe, state: list[list[StateTensor]]):
+    kv, size = recipe.kv, state_bytes(state)
+    if size > STATE_POOL_LIMIT:
+        raise RecipeError(f"{recipe.name}: the KV/state pool of kv.max_seqs={kv['max_seqs']} x kv.max_len={kv['max_len']} "
                           f"would take {size / 2**30:.0f} GiB per rank; lower kv.max_seqs or kv.max_len.")
 
 
@@ -182,7 +190,7 @@ def _dtypes(program: Program, regions: dict) -> dict[str, str]:
 
 
 def _spec(value: torch.Tensor) -> TensorSpec:
-    return TensorSpec(list(value.shape), str(value.dtype).removeprefix("torch."))
+    return TensorSpec(list(value.shape), _dtype_name(value.dtype))
 
 
 def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: int, timeout: float,
@@ -222,7 +230,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
     specs = []
     for name in names:
         tensor = trace.tensor_at(sharded, name)
-        dtype = param_dtype_of(name, recipe.dtype) if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
+        dtype = full.param_dtype(name, DTYPES[recipe.dtype]) if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
         specs.append((name, list(tensor.shape), dtype))
     derived = dict(full.named_buffers())
     checkpoint = recipe.model["checkpoint"]
@@ -238,7 +246,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
             if split:
                 size = shape[split[0]] // split[1]
                 part = (split[0], layout.shard_index(name, rank) * size, size)
-            return read_weight(weights, name, full.config, shape, part).to(param_dtype_of(name, recipe.dtype))
+            return read_weight(weights, full, name, shape, part).to(full.param_dtype(name, DTYPES[recipe.dtype]))
     else:
         model = _model(recipe, "cpu")
 
@@ -269,7 +277,7 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
                           [_spec(v) for v in output_values(gm)]) for fp, gm in the_plan.regions.items()}
     manifest = Manifest(
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
-        parallel=recipe.parallel, buckets=recipe.buckets, kv=the_plan.kv, programs=the_plan.programs, regions=regions,
+        parallel=recipe.parallel, buckets=recipe.buckets, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
         weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if tokenizer else None,
         vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
     )

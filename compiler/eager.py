@@ -1,6 +1,7 @@
 """The eager reference: our PyTorch model behind the same executor interface as a compiled bundle.
 
     python -m deepinfer.compiler.eager --prompt "hello"       # built-in tiny model, random weights
+    python -m deepinfer.compiler.eager --arch deepseek_v4 --prompt "hello"
     python -m deepinfer.compiler.eager --checkpoint DIR --prompt "hello" --max-tokens 16
 
 Compiled bundles are checked against this.
@@ -9,22 +10,22 @@ Compiled bundles are checked against this.
 import click
 import torch
 
-from deepinfer.models import TINY_CONFIG, build_model
+from deepinfer.models import ARCHS, build_model
 from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.tokenizer import load_tokenizer
 
 
 class EagerExecutor:
-    """Runs each Step on the eager model with its own KV pool."""
+    """Runs each Step on the eager model with its own state pool."""
 
     def __init__(self, model, max_seqs: int, max_len: int):
         self.model = model
-        self.kv = model.new_kv_cache(max_seqs, max_len)
+        self.state = model.new_state(max_seqs, max_len)
 
     @torch.inference_mode()
     def run(self, step):
         method = getattr(self.model, step.method)
-        return method(*step.inputs(), self.kv)
+        return method(*step.inputs(), self.state)
 
 
 def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_seqs=4, max_len=256) -> Engine:
@@ -33,12 +34,13 @@ def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_
 
 
 @click.command()
+@click.option("--arch", type=click.Choice(sorted(ARCHS)), default="deepseek_v3", show_default=True)
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="HF checkpoint dir (default: built-in tiny model)")
 @click.option("--seed", default=0, help="seed of the built-in random model")
 @click.option("--prompt", "prompts", multiple=True, default=["Hello, DeepSeek!"])
 @click.option("--max-tokens", default=24)
-def main(checkpoint, seed, prompts, max_tokens):
-    model = build_model(checkpoint=checkpoint, config=None if checkpoint else TINY_CONFIG, seed=seed)
+def main(arch, checkpoint, seed, prompts, max_tokens):
+    model = build_model(arch, checkpoint=checkpoint, config=None if checkpoint else ARCHS[arch].tiny_config, seed=seed)
     tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
     engine = eager_engine(model)
     results = engine.generate([Request(tokenizer.encode(p), max_tokens) for p in prompts])

@@ -144,6 +144,9 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     if kv["max_len"] > config.max_position_embeddings:
         fail("kv.max_len", f"{kv['max_len']} is past the model's max_position_embeddings={config.max_position_embeddings}: "
              "positions beyond it were never trained (and RoPE scaling is defined up to it). Lower kv.max_len.")
+    problem = config.max_len_problem(kv["max_len"])
+    if problem:
+        fail("kv.max_len", problem)
     return Recipe(
         name=values["name"],
         model=model,

@@ -21,6 +21,8 @@ from torch.fx.passes.split_module import split_module
 
 from deepinfer.runtime.collectives import COLLECTIVE_OPS
 
+from .trace import no_stack_traces
+
 
 @dataclass
 class RegionGraph:
@@ -138,7 +140,8 @@ def output_values(graph_module: fx.GraphModule) -> list:
 
 def export_region(graph_module: fx.GraphModule) -> torch.export.ExportedProgram:
     """The region as a standalone ExportedProgram with no weights inside (all are inputs)."""
-    program = torch.export.export(_RegionModule(graph_module), tuple(input_values(graph_module)), strict=False)
+    with no_stack_traces():
+        program = torch.export.export(_RegionModule(graph_module), tuple(input_values(graph_module)), strict=False)
     program._example_inputs = None  # fake tensors: not serializable, and no backend needs them
     return program
 

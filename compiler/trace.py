@@ -8,10 +8,12 @@ called; later calls of the same kind reuse that graph with their own weight and 
 With `split_layers: false` the whole method is one unit instead.
 
 Value names: the Step fields (`tokens`, `positions`, `slots`, `read_slot`, `last_index`),
-`kv.<layer>`, weights by their model name, and `<call path>:<output index>` for call outputs.
+`kv.<layer>.<state name>` for the per-layer state the model declares (`model.state_specs`),
+weights by their model name, and `<call path>:<output index>` for call outputs.
 """
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -51,16 +53,21 @@ class TracedProgram:
 
 
 class _Call(nn.Module):
-    """Exports `module(*args)` (or `module.<method>(*args, kv_list)`) with the module's weights lifted."""
+    """Exports `module(*args)` (or `module.<method>(*step_inputs, state)`, the flat state tensors
+    regrouped per layer by `state_sizes`) with the module's weights lifted."""
 
-    def __init__(self, module: nn.Module, method: str | None = None, n_inputs: int = 0):
+    def __init__(self, module: nn.Module, method: str | None = None, n_inputs: int = 0, state_sizes: tuple = ()):
         super().__init__()
-        self.m, self.method, self.n_inputs = module, method, n_inputs
+        self.m, self.method, self.n_inputs, self.state_sizes = module, method, n_inputs, state_sizes
 
     def forward(self, *args):
         if self.method is None:
             return self.m(*args)
-        return getattr(self.m, self.method)(*args[: self.n_inputs], list(args[self.n_inputs :]))
+        flat, state = list(args[self.n_inputs :]), []
+        for size in self.state_sizes:
+            state.append(flat[:size])
+            flat = flat[size:]
+        return getattr(self.m, self.method)(*args[: self.n_inputs], state)
 
 
 def example_step_inputs(method: str, bucket: int) -> list[torch.Tensor]:
@@ -76,32 +83,45 @@ def trace_programs(model: nn.Module, buckets: dict[str, list[int]], max_seqs: in
     canonical = _canonical_names(model)
     units: dict[str, Unit] = {}
     programs = []
-    with fake_mode:
-        kv = model.new_kv_cache(max_seqs, max_len)
+    state_names = [[f"kv.{i}.{name}" for name, _, _ in layer] for i, layer in enumerate(model.state_specs(max_seqs, max_len))]
+    with fake_mode, no_stack_traces():
+        state = model.new_state(max_seqs, max_len)
         for method, sizes in buckets.items():
             for bucket in sizes:
                 inputs = example_step_inputs(method, bucket)
                 if split_layers:
-                    program = _record_driver(model, method, bucket, inputs, kv, units, canonical)
+                    program = _record_driver(model, method, bucket, inputs, state, state_names, units, canonical)
                 else:
-                    program = _whole_method(model, method, bucket, inputs, kv, units, canonical)
+                    program = _whole_method(model, method, bucket, inputs, state, state_names, units, canonical)
                 programs.append(program)
     return programs, units
 
 
-def _record_driver(model, method, bucket, inputs, kv, units, canonical) -> TracedProgram:
+@contextmanager
+def no_stack_traces():
+    """Export without recording each node's Python stack (a third of V4's trace time): nothing
+    downstream reads it, and exported regions drop it anyway."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
+
+
+def _record_driver(model, method, bucket, inputs, state, state_names, units, canonical) -> TracedProgram:
     paths = {model.embed: "embed", model.head: "head", **{layer: f"layers.{i}" for i, layer in enumerate(model.layers)}}
     recorded = []  # (module, args, outputs) in call order
     handles = [m.register_forward_hook(lambda m, a, o: recorded.append((m, a, o if isinstance(o, tuple) else (o,))))
                for m in paths]
     try:
-        result = getattr(model, method)(*inputs, kv)
+        result = getattr(model, method)(*inputs, state)
     finally:
         for handle in handles:
             handle.remove()
 
     names = {id(t): n for n, t in zip(STEP_FIELDS[method], inputs)}
-    names.update({id(t): f"kv.{i}" for i, t in enumerate(kv)})
+    names.update({id(t): n for layer, layer_names in zip(state, state_names) for t, n in zip(layer, layer_names)})
     program = TracedProgram(method, bucket, list(STEP_FIELDS[method]), output="")
     for module, args, outputs in recorded:
         path = paths[module]
@@ -120,11 +140,12 @@ def _record_driver(model, method, bucket, inputs, kv, units, canonical) -> Trace
     return program
 
 
-def _whole_method(model, method, bucket, inputs, kv, units, canonical) -> TracedProgram:
+def _whole_method(model, method, bucket, inputs, state, state_names, units, canonical) -> TracedProgram:
     key = f"model/{method}/{bucket}"
-    units[key] = _export(_Call(model, method, len(inputs)), (*inputs, *kv), key, "")
+    flat = [t for layer in state for t in layer]
+    units[key] = _export(_Call(model, method, len(inputs), tuple(len(layer) for layer in state)), (*inputs, *flat), key, "")
     weights = [canonical[id(tensor_at(model, w))] for w in units[key].weight_names]
-    arg_names = list(STEP_FIELDS[method]) + [f"kv.{i}" for i in range(len(kv))]
+    arg_names = list(STEP_FIELDS[method]) + [n for layer in state_names for n in layer]
     call = UnitCall(key, "", arg_names, ["model:0"], weights)
     return TracedProgram(method, bucket, list(STEP_FIELDS[method]), "model:0", [call])
 

@@ -68,6 +68,11 @@ class SafetensorsDir:
             self.get(key)  # raises the missing-key error
         return self._handles[self._file_of[key]].get_slice(key).get_shape()
 
+    def get_dtype(self, key: str) -> str:
+        """safetensors' dtype name, e.g. "BF16", "F8_E4M3"."""
+        self.get_shape(key)
+        return self._handles[self._file_of[key]].get_slice(key).get_dtype()
+
     def file_of(self, key: str) -> Path:
         return self._file_of[key]
 

@@ -13,9 +13,9 @@ every layer of its kind:
     decode(tokens [B], positions [B], slots [B], kv) -> logits [B, V]
         one token for each of B sequences.
 
-KV cache: one tensor per layer, [max_seqs + 1, max_len, kv_lora_rank + qk_rope_head_dim], holding
-the normalized latent and the rotated rope key; written in place. Slot `max_seqs` is scratch:
-padding rows and padding tokens write there, never into a live sequence.
+State: one tensor per layer ("latent"), [max_seqs + 1, max_len, kv_lora_rank + qk_rope_head_dim],
+holding the normalized latent and the rotated rope key; written in place. Slot `max_seqs` is
+scratch: padding rows and padding tokens write there, never into a live sequence.
 """
 
 import math
@@ -321,21 +321,28 @@ class DeepseekV3(nn.Module):
         if self.config.tie_word_embeddings and self.layout.tp == 1:
             self.head.lm_head.weight = self.embed.weight
 
-    def new_kv_cache(self, max_seqs: int, max_len: int) -> list[torch.Tensor]:
-        """One tensor per layer, [max_seqs + 1, max_len, C]; slot max_seqs is the scratch slot."""
-        shape = (max_seqs + 1, max_len, self.config.kv_cache_dim)
-        return [torch.zeros(shape, dtype=self.embed.weight.dtype) for _ in self.layers]
+    @classmethod
+    def param_dtype(cls, name: str, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if name.endswith(cls.FLOAT32_PARAMS) else dtype
 
-    def prefill(self, tokens, positions, write_slots, read_slot, last_index, kv):
+    def state_specs(self, max_seqs: int, max_len: int) -> list[list[tuple[str, list[int], torch.dtype]]]:
+        """Per layer one tensor [max_seqs + 1, max_len, C]; slot max_seqs is the scratch slot."""
+        shape = [max_seqs + 1, max_len, self.config.kv_cache_dim]
+        return [[("latent", shape, self.embed.weight.dtype)] for _ in self.layers]
+
+    def new_state(self, max_seqs: int, max_len: int) -> list[list[torch.Tensor]]:
+        return [[torch.zeros(shape, dtype=dtype) for _, shape, dtype in layer] for layer in self.state_specs(max_seqs, max_len)]
+
+    def prefill(self, tokens, positions, write_slots, read_slot, last_index, state):
         h, pending, cos, sin = self.embed(tokens, positions)
-        for layer, layer_kv in zip(self.layers, kv):
-            h, pending = layer(h, pending, cos, sin, positions, write_slots, read_slot, layer_kv)
+        for layer, layer_state in zip(self.layers, state):
+            h, pending = layer(h, pending, cos, sin, positions, write_slots, read_slot, *layer_state)
         return self.head(h, pending, last_index)  # [1, V]
 
-    def decode(self, tokens, positions, slots, kv):
+    def decode(self, tokens, positions, slots, state):
         h, pending, cos, sin = self.embed(tokens, positions)
-        for layer, layer_kv in zip(self.layers, kv):
-            h, pending = layer(h, pending, cos, sin, positions, slots, slots, layer_kv)
+        for layer, layer_state in zip(self.layers, state):
+            h, pending = layer(h, pending, cos, sin, positions, slots, slots, *layer_state)
         return self.head(h, pending)  # [B, V]
 
 
@@ -355,3 +362,18 @@ def init_random(model: DeepseekV3, seed: int) -> DeepseekV3:
                 fan_in = param.shape[-1] if name != "embed.weight" else 1
                 param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
     return model
+
+
+def checkpoint_keys(name: str, cfg: DeepseekV3Config, shape: tuple, saved_by_transformers: bool = True) -> list[tuple[str, tuple]]:
+    """The checkpoint tensors (key, shape) our parameter `name` of full `shape` is made of, in HF's
+    per-expert layout: a stacked expert weight [E, out, in] is E (or 2E) tensors."""
+    layer, _, rest = name.partition(".mlp.experts_")
+    if rest:  # stacked routed experts [E, out, in] from model.layers.N.mlp.experts.E.*_proj.weight
+        parts = ("gate_proj", "up_proj") if rest == "gate_up" else ("down_proj",)
+        per_expert = (shape[1] // len(parts), shape[2])
+        return [(f"model.{layer}.mlp.experts.{e}.{p}.weight", per_expert) for e in range(shape[0]) for p in parts]
+    if name == "head.lm_head.weight" and cfg.tie_word_embeddings:
+        name = "embed.weight"
+    key = {"embed.weight": "model.embed_tokens.weight", "head.norm.weight": "model.norm.weight",
+           "head.lm_head.weight": "lm_head.weight"}.get(name, f"model.{name}")
+    return [(key, tuple(shape))]

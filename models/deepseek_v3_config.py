@@ -7,13 +7,7 @@ Only fields that change the math are kept; anything else in a checkpoint's confi
 import math
 from dataclasses import dataclass, field, fields
 
-from deepinfer.runtime.errors import DeepinferError
-
-
-class ConfigError(DeepinferError, ValueError):
-    """A config value that is missing, unknown or not supported; the message names the key."""
-
-    exit_code = 2  # bad input, as a bad recipe
+from .config_checks import ConfigError, check_fields, check_rope
 
 
 @dataclass(frozen=True)
@@ -78,6 +72,16 @@ class DeepseekV3Config:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale *= m * m
         return scale
+
+    def tp_sharded_sizes(self) -> dict[str, int]:
+        """Sizes split over tp ranks (models/parallel.py), by what to call them in an error."""
+        return {"num_attention_heads": self.num_attention_heads, "intermediate_size": self.intermediate_size,
+                "moe_intermediate_size x n_shared_experts": self.moe_intermediate_size * self.n_shared_experts,
+                "vocab_size": self.vocab_size}
+
+    def max_len_problem(self, max_len: int) -> str | None:
+        """Why kv.max_len cannot size this model's state, or None."""
+        return None
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.first_k_dense_replace
@@ -147,11 +151,8 @@ def _checked_fields(raw: dict, source: str) -> dict:
 LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 << 22, "num_attention_heads": 1024,
           "max_position_embeddings": 1 << 24}
 SIZE_LIMIT = 1 << 20
-_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "n_routed_experts", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "n_group",
-             "topk_group", "num_experts_per_tok", "max_position_embeddings")
 _NON_NEGATIVE = ("n_shared_experts", "qk_nope_head_dim", "first_k_dense_replace")
-_OPTIONAL = ("q_lora_rank", "bos_token_id", "eos_token_id")
+_OPTIONAL = ("q_lora_rank", "bos_token_id", "eos_token_id")  # may be null
 _READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - {"rope"}) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "scoring_func", "topk_method",
     "pretraining_tp", "quantization_config", "num_key_value_heads"}
@@ -162,30 +163,8 @@ def _check_values(c: DeepseekV3Config, source: str):
     def fail(key, message):
         raise ConfigError(f"{source}: {key}={getattr(c, key, None)!r} {message}")
 
-    for f in fields(c):
-        value, default = getattr(c, f.name), f.default
-        if f.name == "rope" or (value is None and f.name in _OPTIONAL):
-            continue
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                fail(f.name, "must be true or false.")
-        elif isinstance(default, int) or f.name in _OPTIONAL:
-            if not isinstance(value, int) or isinstance(value, bool):
-                fail(f.name, "must be an integer.")
-            if f.name in _POSITIVE + ("q_lora_rank",) and value <= 0:
-                fail(f.name, "must be positive.")
-            if f.name in _NON_NEGATIVE and value < 0:
-                fail(f.name, "must be 0 or more.")
-            limit = LIMITS.get(f.name, SIZE_LIMIT)
-            if value > limit:
-                fail(f.name, f"is past the largest supported value {limit}.")
-        elif isinstance(default, float):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                fail(f.name, "must be a positive finite number.")
-    for key in ("bos_token_id", "eos_token_id"):
-        value = getattr(c, key)
-        if value is not None and not (0 <= value < c.vocab_size):
-            fail(key, f"must be a token id below vocab_size={c.vocab_size}.")
+    check_fields(c, source, skip=("rope",), optional=_OPTIONAL, non_negative=_NON_NEGATIVE + _OPTIONAL, limits=LIMITS,
+                 size_limit=SIZE_LIMIT)
     if c.qk_rope_head_dim % 2:
         fail("qk_rope_head_dim", "must be even (RoPE rotates pairs of channels).")
     if c.n_routed_experts % c.n_group:
@@ -195,24 +174,7 @@ def _check_values(c: DeepseekV3Config, source: str):
     if c.num_experts_per_tok > c.n_routed_experts // c.n_group * c.topk_group:
         fail("num_experts_per_tok", f"is more than the {c.n_routed_experts // c.n_group * c.topk_group} experts in "
              f"topk_group={c.topk_group} of n_group={c.n_group} groups.")
-    rope = c.rope
-    for key in ("rope_theta", "factor", "beta_fast", "beta_slow"):
-        value = getattr(rope, key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{source}: rope {key}={value!r} must be a positive finite number.")
-    for key in ("mscale", "mscale_all_dim"):
-        value = getattr(rope, key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{source}: rope {key}={value!r} must be a finite number, 0 or more.")
-    if rope.attention_factor is not None and (not isinstance(rope.attention_factor, (int, float)) or isinstance(rope.attention_factor, bool)
-                                             or not math.isfinite(rope.attention_factor) or rope.attention_factor <= 0):
-        raise ConfigError(f"{source}: rope attention_factor={rope.attention_factor!r} must be a positive finite number.")
-    if not isinstance(rope.original_max_position_embeddings, int) or isinstance(rope.original_max_position_embeddings, bool) \
-            or not 0 < rope.original_max_position_embeddings <= 1 << 24:
-        raise ConfigError(f"{source}: rope original_max_position_embeddings={rope.original_max_position_embeddings!r} "
-                          "must be a positive integer.")
-    if not isinstance(rope.truncate, bool):
-        raise ConfigError(f"{source}: rope truncate={rope.truncate!r} must be true or false.")
+    check_rope(c.rope, source)
 
 
 def _rope_config(raw: dict, source: str) -> RopeConfig:

@@ -15,6 +15,14 @@ Layout (world_size W, tp, ep):
 
 Rank-dependent values (expert offsets, the owned range, the shared-expert scale) are buffers set
 by `assign_rank`, so every rank traces and runs the SAME graph.
+
+DeepSeek-V4 splits the same way (routed experts over ep/world, the shared expert and the LM head
+over tp), except its attention, which stays REPLICATED on every rank (as in transformers' own TP
+plan). V4 attention is shared-KV MQA: one K=V head that every query head reads, plus the
+compressors and the indexer, all computed from the full hidden state. Sharding query heads would
+split only wq_b and wo_a (by o-group) while every rank still computed the whole KV side and the
+indexer, and it would add an all-reduce per layer on the decode critical path; at decode the
+MoE dominates the bytes read, and that is what tp/ep split.
 """
 
 from dataclasses import dataclass
@@ -36,9 +44,13 @@ TP_SPLITS = {
     "mlp.shared_experts.up_proj.weight": 0,
     "mlp.shared_experts.down_proj.weight": 1,
     "head.lm_head.weight": 0,
+    "ffn.shared_experts.w1.weight": 0,  # DeepSeek-V4 names
+    "ffn.shared_experts.w3.weight": 0,
+    "ffn.shared_experts.w2.weight": 1,
+    "head.weight": 0,
 }
 # parameter name suffix -> dim split over ep
-EP_SPLITS = {"mlp.experts_gate_up": 0, "mlp.experts_down": 0}
+EP_SPLITS = {"mlp.experts_gate_up": 0, "mlp.experts_down": 0, "ffn.experts_w13": 0, "ffn.experts_w2": 0}
 
 
 class LayoutError(DeepinferError, ValueError):
@@ -80,17 +92,14 @@ class Layout:
             raise LayoutError(f"parallel: world_size={w} must be tp={tp} x replicas; {w} is not divisible by {tp}.")
         if w % ep:
             raise LayoutError(f"parallel: ep={ep} must divide world_size={w} (each EP shard is held by world_size/ep ranks).")
-        for what, n, parts, name in [
-            ("num_attention_heads", c.num_attention_heads, tp, "tp"),
-            ("intermediate_size", c.intermediate_size, tp, "tp"),
-            ("moe_intermediate_size x n_shared_experts", c.moe_intermediate_size * c.n_shared_experts, tp, "tp"),
-            ("vocab_size", c.vocab_size, tp, "tp"),
+        sizes = [(what, n, tp, "tp") for what, n in c.tp_sharded_sizes().items()]
+        for what, n, parts, name in sizes + [
             ("n_routed_experts", c.n_routed_experts, ep, "ep"),
             ("n_routed_experts", c.n_routed_experts, w, "world_size"),
         ]:
             if n % parts:
                 raise LayoutError(f"parallel: {name}={parts} does not divide {what}={n}.")
-        if c.attention_bias and tp > 1:
+        if getattr(c, "attention_bias", False) and tp > 1:
             raise LayoutError("parallel: tp > 1 with attention_bias is not supported (the row-parallel o_proj bias would be added tp times).")
 
 

@@ -43,8 +43,8 @@ class BundleExecutor:
         self.manifest = m = read_manifest(self.bundle, toolchain_versions(), rank, verify_key)
         self.rank = rank
         weights = self._load_weights(self.bundle / m.weight_files[rank])
-        self.kv = self._allocate_kv()
-        fixed = {**weights, **{f"kv.{i}": t for i, t in enumerate(self.kv)}}
+        self.state = self._allocate_state()
+        fixed = {**weights, **self.state}
         # Every tensor a region will read or write is checked against the specs it was compiled
         # for BEFORE any region is loaded: a compiled region indexes memory without bounds checks.
         for key, program in m.programs.items():
@@ -60,15 +60,16 @@ class BundleExecutor:
         except Exception as err:  # safetensors raises its own types for a bad header
             raise BundleError(f"{path}: not a readable safetensors file ({err}). Recompile the bundle.") from None
 
-    def _allocate_kv(self) -> list[torch.Tensor]:
-        kv = self.manifest.kv
+    def _allocate_state(self) -> dict[str, torch.Tensor]:
+        """Every layer's state pool (the KV cache and what else the model keeps per sequence slot)."""
+        specs = self.manifest.state_tensors()
         try:
-            return [torch.zeros(kv.shape, dtype=getattr(torch, kv.dtype)) for _ in range(kv.layers)]
+            return {name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for name, s in specs.items()}
         except RuntimeError as err:  # out of memory
-            size = torch.Size(kv.shape).numel() * getattr(torch, kv.dtype).itemsize * kv.layers
-            raise BundleError(f"{self.bundle}: the KV pool ({kv.layers} x {kv.shape} {kv.dtype}, {size / 2**30:.1f} GiB) "
-                              f"does not fit in this host's memory ({str(err).splitlines()[0]}). Recompile with a smaller "
-                              "kv.max_seqs or kv.max_len.") from None
+            size = sum(torch.Size(s.shape).numel() * getattr(torch, s.dtype).itemsize for s in specs.values())
+            raise BundleError(f"{self.bundle}: the state pool ({len(specs)} tensors, {size / 2**30:.1f} GiB) does not fit "
+                              f"in this host's memory ({str(err).splitlines()[0]}). Recompile with a smaller kv.max_seqs "
+                              "or kv.max_len.") from None
 
     def _check_shapes(self, key: str, program, fixed: dict):
         """Walk the program with (shape, dtype) per value: step inputs from the bucket, weights and

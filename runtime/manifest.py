@@ -53,7 +53,8 @@ class Region:
 class ScheduleStep:
     """`outputs = region(*inputs)`, or a collective over a named group when `collective` is set
     ({"op": "all_reduce", "group": "world"}; region is then ""). Names refer to program inputs,
-    kv.<layer>, weights, or earlier outputs."""
+    state tensors (kv.<layer>.<name>; kv.<layer> in bundles without `state`), weights, or earlier
+    outputs."""
 
     region: str  # fingerprint
     inputs: list[str]
@@ -74,8 +75,17 @@ class Program:
 class KVSpec:
     max_seqs: int
     max_len: int
-    layers: int
+    layers: int  # legacy single-tensor pools (kv.<layer>); 0 when `Manifest.state` lists the state
     shape: list[int]  # one tensor per layer: [max_seqs + 1, max_len, C]; the last slot is scratch
+    dtype: str
+
+
+@dataclass
+class StateTensor:
+    """One named tensor of a layer's state; programs call it `kv.<layer>.<name>`."""
+
+    name: str
+    shape: list[int]  # [max_seqs + 1, ...]: one row per sequence slot, the last one scratch
     dtype: str
 
 
@@ -97,6 +107,13 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     magic: str = MAGIC
     schema_version: int = SCHEMA_VERSION
+    state: list[list[StateTensor]] | None = None  # per layer; None in bundles that only have `kv`
+
+    def state_tensors(self) -> dict[str, TensorSpec]:
+        """Every state tensor the runtime allocates, by the name programs use."""
+        if self.state is None:
+            return {f"kv.{i}": TensorSpec(self.kv.shape, self.kv.dtype) for i in range(self.kv.layers)}
+        return {f"kv.{i}.{t.name}": TensorSpec(t.shape, t.dtype) for i, layer in enumerate(self.state) for t in layer}
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -162,10 +179,22 @@ def check_manifest(m: Manifest, where: str):
         bad(f"parallel.hierarchical_allreduce {node!r} must be 0 or a group size dividing world_size {world}")
     kv = m.kv
     if not (0 < kv.max_seqs <= 1 << 16 and 0 < kv.max_len <= 1 << 24 and 0 <= kv.layers <= 4096
-            and len(kv.shape) == 3 and kv.shape[:2] == [kv.max_seqs + 1, kv.max_len] and 0 < kv.shape[2] <= 1 << 20):
+            and len(kv.shape) == 3 and kv.shape[:2] == [kv.max_seqs + 1, kv.max_len] and 0 <= kv.shape[2] <= 1 << 20
+            and (kv.shape[2] > 0 or kv.layers == 0)):
         bad(f"kv {kv} is not a pool of [max_seqs + 1, max_len, width] tensors of sane size")
     if kv.dtype not in TENSOR_DTYPES:
         bad(f"kv.dtype {kv.dtype!r} is not one of {TENSOR_DTYPES}")
+    if m.state is not None and kv.layers:
+        bad("both kv.layers and state describe the state")
+    if m.state is not None and len(m.state) > 4096:
+        bad(f"state lists {len(m.state)} layers")
+    for i, layer in enumerate(m.state or []):
+        if len({t.name for t in layer}) != len(layer):
+            bad(f"state of layer {i} repeats a name")
+        for t in layer:
+            if (not t.name.isidentifier() or t.dtype not in TENSOR_DTYPES or not 2 <= len(t.shape) <= 4
+                    or t.shape[0] != kv.max_seqs + 1 or not all(0 < d <= 1 << 24 for d in t.shape)):
+                bad(f"state tensor {t} of layer {i} is not [max_seqs + 1, ...] of a known dtype and sane size")
     if not 0 < m.vocab_size <= 1 << 22 or (m.eos_token_id is not None and not 0 <= m.eos_token_id < m.vocab_size):
         bad(f"vocab_size {m.vocab_size} / eos_token_id {m.eos_token_id} out of range")
     for method in ("prefill", "decode"):

@@ -8,6 +8,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_RECIPE = ROOT / "recipes" / "tiny.yaml"
+TINY_V4_RECIPE = ROOT / "recipes" / "tiny-v4.yaml"
 
 
 def write_recipe(directory: Path, name: str = "tiny", **changes) -> Path:
@@ -25,6 +26,26 @@ def write_recipe(directory: Path, name: str = "tiny", **changes) -> Path:
     return path
 
 
+def tiny_v4_config() -> dict:
+    """The tiny V4 of recipes/tiny-v4.yaml with 2 Sinkhorn iterations instead of 20: the same ops,
+    18 fewer unrolled rounds of them in every traced and compiled layer (tests pay for each)."""
+    return {**yaml.safe_load(TINY_V4_RECIPE.read_text())["model"]["config"], "hc_sinkhorn_iters": 2}
+
+
+def compile_tiny_v4(directory, **changes):
+    """recipes/tiny-v4.yaml (tiny_v4_config) with one bucket a method (prefill 16, decode 4: chunked
+    prompts, padded decode batches) and `changes`; V4 traces slower than V3, so tests keep to these
+    two programs."""
+    from deepinfer.compiler.build import compile_recipe
+    from deepinfer.compiler.recipe import load_recipe
+
+    recipe = yaml.safe_load(TINY_V4_RECIPE.read_text())
+    recipe["model"]["config"] = tiny_v4_config()
+    recipe.update(methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}}, output=str(directory / "bundle"), **changes)
+    (directory / "v4.yaml").write_text(yaml.safe_dump(recipe))
+    return compile_recipe(load_recipe(directory / "v4.yaml"), cache_dir=directory / "cache", progress=False).bundle
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("compile-cache")
@@ -32,17 +53,18 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory, cache_dir):
-    """tiny_bundle(backend) -> directory of the tiny recipe compiled with that backend (once a session)."""
+    """tiny_bundle(backend, recipe=TINY_RECIPE) -> directory of that recipe compiled with that backend
+    (once a session)."""
     from deepinfer.compiler.build import compile_recipe
     from deepinfer.compiler.recipe import load_recipe
 
     bundles = {}
 
-    def get(backend: str) -> Path:
-        if backend not in bundles:
-            out = tmp_path_factory.mktemp("bundles") / f"tiny-{backend}"
-            compile_recipe(load_recipe(TINY_RECIPE, backend=backend, output=out), cache_dir=cache_dir, progress=False)
-            bundles[backend] = out
-        return bundles[backend]
+    def get(backend: str, recipe: Path = TINY_RECIPE) -> Path:
+        if (backend, recipe) not in bundles:
+            out = tmp_path_factory.mktemp("bundles") / f"{recipe.stem}-{backend}"
+            compile_recipe(load_recipe(recipe, backend=backend, output=out), cache_dir=cache_dir, progress=False)
+            bundles[backend, recipe] = out
+        return bundles[backend, recipe]
 
     return get

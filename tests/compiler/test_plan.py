@@ -38,7 +38,7 @@ def test_identical_layers_share_regions(tmp_path):
     assert all(step.region == moe_region for step in decode.steps[2:-1])
     # ...bound to each layer's own weights and KV cache.
     kv_inputs = [next(n for n in step.inputs if n.startswith("kv.")) for step in decode.steps[1:-1]]
-    assert kv_inputs == [f"kv.{i}" for i in range(8)]
+    assert kv_inputs == [f"kv.{i}.latent" for i in range(8)]
     assert "layers.7.mlp.experts_gate_up" in decode.steps[8].inputs
 
 

@@ -67,3 +67,29 @@ def test_missing_recipe_file_and_cli_exit_code(tmp_path):
     run = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", str(path)], capture_output=True, text=True)
     assert run.returncode == 2
     assert "backend.name" in run.stderr and "neuron" in run.stderr and "Traceback" not in run.stderr
+
+
+V4 = TINY_RECIPE.parent / "tiny-v4.yaml"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"kv": {"max_seqs": 4, "max_len": 200}}, r"kv.max_len: 200 must be a multiple of every compress rate the layers use "
+                                                  r"\(\[4, 16\]\).*multiple of 16, e.g. 192"),
+        ({"model": {"layer_types": ["sliding_attention"] * 3 + ["lightning"]}}, r"model.config: .*layer_types must list one of"),
+        ({"model": {"scoring_func": "softmax"}}, r"model.config: scoring_func='softmax' is not supported"),
+        ({"model": {"o_groups": 3}}, r"o_groups=3 must divide num_attention_heads=4"),
+        ({"model": {"compress_rate": 4}}, r"unknown field\(s\) \['compress_rate'\]"),
+    ],
+)
+def test_deepseek_v4_constraints_name_the_key(tmp_path, changes, message):
+    import yaml
+
+    recipe = yaml.safe_load(V4.read_text())
+    recipe["model"]["config"].update(changes.pop("model", {}))
+    recipe.update(changes)
+    path = tmp_path / "v4.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(path)

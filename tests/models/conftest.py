@@ -9,7 +9,7 @@ MAX_SEQS, MAX_LEN = 4, 128
 def prefill(model, kv, slot: int, ids: list[int], start: int = 0, chunk: int = 16) -> torch.Tensor:
     """Prefill ids at positions start.. in chunks of `chunk` tokens (the last one padded).
     Padding tokens write to the scratch slot. Returns the last real token's logits [V]."""
-    scratch = len(kv[0]) - 1
+    scratch = kv[0][0].shape[0] - 1
     for lo in range(0, len(ids), chunk):
         piece = ids[lo : lo + chunk]
         n = len(piece)
@@ -22,7 +22,7 @@ def prefill(model, kv, slot: int, ids: list[int], start: int = 0, chunk: int = 1
 
 def greedy(model, prompt: list[int], steps: int, chunk: int = 16, slot: int = 0):
     """Greedy continuation through our KV cache: (tokens, logits [steps, V] that chose them)."""
-    kv = model.new_kv_cache(MAX_SEQS, MAX_LEN)
+    kv = model.new_state(MAX_SEQS, MAX_LEN)
     logits = [prefill(model, kv, slot, prompt, chunk=chunk)]
     tokens = [int(logits[-1].argmax())]
     for i in range(steps - 1):

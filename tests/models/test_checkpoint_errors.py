@@ -146,3 +146,21 @@ def test_a_bad_checkpoint_stops_the_compile_before_any_region_compiles(checkpoin
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert len(__import__("re").findall(message, run.stderr)) == 1, run.stderr
     assert "compiling" not in run.stderr and not (tmp_path / "cache" / "work").exists()  # nothing traced or compiled
+
+
+def test_quantized_deepseek_v4_weights_are_refused_naming_the_key(tmp_path):
+    """DeepSeek's release stores most weights fp8 (and experts fp4): refused before tracing, not misread."""
+    from deepinfer.models import check_checkpoint
+    from deepinfer.models.deepseek_v4_config import TINY_V4_CONFIG
+
+    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TINY_V4_CONFIG))
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.1.attn.wq_a.weight"
+    weights[key] = weights[key].to(torch.float8_e4m3fn)
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"weight '{key}' is stored quantized \(F8_E4M3\)"):
+        check_checkpoint(tmp_path, build_model("deepseek_v4", checkpoint=tmp_path, device="meta"))
+    edit_config(tmp_path, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ConfigError, match=r"quantization_config \(quant_method='fp8'\).*not supported yet"):
+        build_model("deepseek_v4", checkpoint=tmp_path, device="meta")

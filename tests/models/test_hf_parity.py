@@ -36,14 +36,20 @@ STEPS = 16
 
 
 def decisive_init(model: torch.nn.Module, seed: int):
-    """HF's std=0.02 init gives near-uniform logits; scale like a trained model instead."""
+    """HF's std=0.02 init gives near-uniform logits; scale like a trained model instead. (V4's
+    hash tables send each token to distinct experts; its mHC scales stay near 1.)"""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in sorted(list(model.named_parameters()) + list(model.named_buffers())):
             if "inv_freq" in name:
                 continue
-            if "norm" in name:
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                tensor.copy_(torch.stack([torch.randperm(experts, generator=gen)[: tensor.shape[1]] for _ in range(tensor.shape[0])]))
+            elif "norm" in name or name.endswith("scale"):
                 tensor.copy_(1.0 + 0.1 * torch.randn(tensor.shape, generator=gen))
+            elif name.endswith(("base", "sinks")):
+                tensor.copy_(0.3 * torch.randn(tensor.shape, generator=gen))
             elif name.endswith("e_score_correction_bias") or name.endswith(".bias"):
                 tensor.copy_(0.1 * torch.randn(tensor.shape, generator=gen))
             else:

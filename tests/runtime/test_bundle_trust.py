@@ -122,9 +122,11 @@ def test_a_smaller_kv_pool_is_refused(bundle):
     def edit(body):
         body["kv"]["max_len"] = 128
         body["kv"]["shape"][1] = 128
+        for layer in body["state"]:
+            layer[0]["shape"][1] = 128
 
     edit_manifest(bundle, edit)
-    with pytest.raises(BundleError, match=r"\(kv.0\) is \(\[5, 128, 40\], 'float32'\) but the region was compiled for \(\[5, 256, 40\]"):
+    with pytest.raises(BundleError, match=r"\(kv.0.latent\) is \(\[5, 128, 40\], 'float32'\) but the region was compiled for \(\[5, 256, 40\]"):
         BundleExecutor(bundle)
 
 

@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 PROMPTS = [[5, 17, 42, 99, 7], list(range(10, 40)), [3] * 12 + [250, 251], [77, 78]]
 MAX_TOKENS = 12
+# World size 1 is the compiled == eager == transformers chain of test_executor and test_hf_parity.
 LAYOUTS = {
-    "ws1": {"world_size": 1, "tp": 1, "ep": 1},
     "ws2_tp2_ep2": {"world_size": 2, "tp": 2, "ep": 2},
     "ws4_tp1_ep4": {"world_size": 4, "tp": 1, "ep": 4},
     "ws4_tp2_ep2_hier": {"world_size": 4, "tp": 2, "ep": 2, "hierarchical_allreduce": 2},
@@ -243,3 +243,23 @@ def test_followers_end_with_the_leader(bundles, signum, after):
         assert time.monotonic() < deadline, "a follower outlived its leader"
         time.sleep(0.1)
     assert leftovers() <= shm_before  # nothing in /dev/shm or the temp dir, however the leader ended
+
+
+def test_deepseek_v4_at_world_size_2_gives_the_tokens_of_transformers(tmp_path):
+    """V4 over 2 ranks (tp 2: shared expert and LM head split, attention replicated; ep 2: each rank
+    holds 4 of the 8 experts, hash-routed layers included) against transformers' greedy tokens."""
+    from tests.conftest import compile_tiny_v4, tiny_v4_config
+    from tests.models.test_hf_parity import decisive_init
+
+    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**tiny_v4_config())).eval()
+    hf.config._attn_implementation = "eager"
+    decisive_init(hf, seed=3)
+    hf.save_pretrained(tmp_path / "hf-tiny-v4")
+    bundle = compile_tiny_v4(tmp_path, model={"arch": "deepseek_v4", "checkpoint": str(tmp_path / "hf-tiny-v4")},
+                             parallel={"world_size": 2, "tp": 2, "ep": 2}, backend={"name": "export"})
+    result = run_bundle(bundle)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens = [r["token_ids"] for r in json.loads(result.stdout)["results"]]
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    eos = hf.config.eos_token_id
+    assert tokens == [e[: e.index(eos) + 1] if eos in e else e for e in expected]

@@ -1,0 +1,527 @@
+"""DeepSeek-V4 in plain PyTorch, written for static-graph compilation.
+
+The math follows HF transformers' `DeepseekV4ForCausalLM`: shared-KV MQA with attention sinks over
+a sliding window plus (per layer type) compressed entries — CSA (rate m, overlapping windows,
+entries picked by the Lightning indexer's top-k) or HCA (rate m', every entry) — mHC
+hyper-connections around every block, and MoE layers routed by hash (`tid2eid[token]`) or top-k.
+
+As for V3, the model is a driver that only calls sub-modules (`embed`, `layers[i]`, `head`), so
+the compiler traces each layer KIND (attention type x MLP type, e.g. `csa.moe`) once:
+
+    prefill(tokens [T], positions [T], slots [T], read_slot [1], last_index [1], state) -> logits [1, V]
+    decode(tokens [B], positions [B], slots [B], state) -> logits [B, V]
+
+Inside a layer the rows are [N sequences, T tokens]: prefill is N=1 (slot read_slot, the chunk's
+valid tokens first, `last_index` the last of them), decode is N=B, T=1. A sequence's chunk starts
+at position `start` and its last valid token is at `end`.
+
+State lives outside the module, one fixed pool per layer (leading dim max_seqs + 1; the last slot
+is scratch), sized from kv.max_len = L (a multiple of every compress rate):
+    window [S+1, W, Dh]          ring: entry i holds the newest position q with q = i (mod W)
+    entries [S+1, L/m, Dh]       compressed entries (CSA, HCA), entry w pools window w
+    buffer [S+1, R, 2k Dh]       ring of raw compressor (kv | gate) projections, R = m' (HCA) or
+                                 2m (CSA, whose entries also pool the previous window), k = 1 or 2
+    index_entries, index_buffer  the indexer's own entries [S+1, L/m, c] and ring (CSA)
+Every read is gated by position (a ring slot's position is computed, not stored; an entry is
+visible once its window has closed), so a slot reused by a new sequence never sees its previous
+occupant and nothing is ever cleared.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
+
+from . import deepseek_v3
+from .deepseek_v3 import rope_frequencies
+from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from .parallel import Layout, rank_buffers
+
+
+class RMSNorm(deepseek_v3.RMSNorm):
+    """V4's RMSNorm: float32 weight, applied in float32, cast once at the end (as transformers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the LAST 2 * cos.shape[-1] channels of x in interleaved pairs, keeping the layout
+    (V = K here, so rotated channels reach the output projection). cos/sin [..., r/2] broadcast."""
+    r = 2 * cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope.float() * cos + rotated.float() * sin).to(x.dtype)], dim=-1)
+
+
+def rope_at(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = positions[..., None].float() * inv_freq  # [..., r/2]
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def ring_positions(last: torch.Tensor, size: int) -> torch.Tensor:
+    """[N, size]: the position ring entry i holds once positions up to `last` [N] are written
+    (negative: never written by this sequence)."""
+    i = torch.arange(size, device=last.device)
+    return last[:, None] - torch.remainder(last[:, None] - i, size)
+
+
+def take_positions(ring: torch.Tensor, chunk: torch.Tensor, q: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Rows at positions q [N, ...]: from the ring [N, R, C] below `start` [N], else from this
+    step's chunk [N, T, C]."""
+    N, R, C = ring.shape
+    flat = q.reshape(N, -1)
+    in_chunk = flat >= start[:, None]
+    from_ring = ring.gather(1, torch.remainder(flat, R)[..., None].expand(-1, -1, C))
+    from_chunk = chunk.gather(1, (flat - start[:, None]).clamp(0, chunk.shape[1] - 1)[..., None].expand(-1, -1, C))
+    return torch.where(in_chunk[..., None], from_chunk, from_ring).view(*q.shape, C)
+
+
+def update_ring(pool: torch.Tensor, ring: torch.Tensor, chunk: torch.Tensor, start, end, seq_slots):
+    """Write back ring [N, R, C] holding the newest positions up to `end` of each sequence."""
+    q = ring_positions(end, ring.shape[1])
+    pool.index_put_((seq_slots,), take_positions(ring, chunk, q, start))
+
+
+class Compressor(nn.Module):
+    """Pools every `rate` positions into one entry: per channel, a softmax over the window of
+    (gate + ape) weights kv; then RMSNorm and the compress rope at the window's first position.
+    `overlap` (CSA): projections are two series wide, and entry w pools the first series over
+    window w-1 with the second over window w (2 * rate slots)."""
+
+    def __init__(self, config: DeepseekV4Config, width: int, rate: int, overlap: bool):
+        super().__init__()
+        series = 2 if overlap else 1
+        self.width, self.rate, self.overlap = width, rate, overlap
+        self.wkv = nn.Linear(config.hidden_size, series * width, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, series * width, bias=False)
+        self.ape = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
+        self.norm = RMSNorm(width, config.rms_norm_eps)
+        self.rope = config.compress_rope
+        self.rope_dim = config.qk_rope_head_dim
+        self.init_buffers()
+
+    def init_buffers(self):
+        with torch.device("cpu"):  # derived from the config, also when the weights are on meta
+            inv_freq, self.rope_scale = rope_frequencies(self.rope, self.rope_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def ring_size(self) -> int:
+        return 2 * self.rate if self.overlap else self.rate
+
+    def forward(self, x, start, end, seq_slots, entries, buffer) -> torch.Tensor:
+        """Writes the entries of every window this step closes; returns the sequences' entries
+        [N, L/rate, width] (read after the write)."""
+        N, m, C = seq_slots.shape[0], self.rate, self.width
+        raw = torch.cat([self.wkv(x), self.wgate(x)], dim=-1).view(N, -1, 2 * self.wkv.out_features)  # [N, T, 2kC]
+        T = raw.shape[1]
+        ring = buffer.index_select(0, seq_slots)  # [N, R, 2kC], before this step
+        windows = start[:, None] // m + torch.arange(-(-T // m), device=x.device)  # [N, K] candidates
+        first = windows * m - (m if self.overlap else 0)
+        q = first[..., None] + torch.arange(self.ring_size(), device=x.device)  # [N, K, S] pooled positions
+        kv, gate = take_positions(ring, raw, q, start).split(self.wkv.out_features, dim=-1)  # [N, K, S, kC]
+        gate = gate + (self.ape.repeat(2, 1) if self.overlap else self.ape)
+        if self.overlap:  # slots [0, m): series a of window w-1; [m, 2m): series b of window w
+            kv = torch.cat([kv[..., :m, :C], kv[..., m:, C:]], dim=-2)
+            gate = torch.cat([gate[..., :m, :C], gate[..., m:, C:]], dim=-2)
+            gate = gate.masked_fill((q < 0)[..., None], float("-inf"))  # window -1 does not exist
+        pooled = self.norm((kv * gate.softmax(dim=-2, dtype=torch.float32).to(kv.dtype)).sum(dim=-2))  # [N, K, C]
+        cos, sin = rope_at(windows * m, self.inv_freq, self.rope_scale, pooled.dtype)
+        pooled = apply_rope(pooled, cos, sin)
+        closed = (windows + 1) * m - 1 <= end[:, None]  # [N, K]; unclosed candidates write the scratch slot
+        scratch = entries.shape[0] - 1
+        rows = torch.where(closed, seq_slots[:, None], scratch)
+        entries.index_put_((rows, windows.clamp(max=entries.shape[1] - 1)), pooled)
+        update_ring(buffer, ring, raw, start, end, seq_slots)
+        return entries.index_select(0, seq_slots)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores every compressed entry for each query,
+    sum_h w_h * ReLU(q_h . k_e) * c^-0.5, and keeps the top `index_topk` visible ones."""
+
+    def __init__(self, config: DeepseekV4Config):
+        super().__init__()
+        c = config
+        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.wq_b = nn.Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(c.hidden_size, c.index_n_heads, bias=False)
+        self.compressor = Compressor(c, c.index_head_dim, c.compress_rate_csa, overlap=True)
+
+    def forward(self, x, q_residual, cos, sin, start, end, seq_slots, visible, entries, buffer):
+        """-> [N, T, E] bool: the entries each query attends to (a subset of `visible`)."""
+        keys = self.compressor(x, start, end, seq_slots, entries, buffer)  # [N, E, c]
+        N, T = visible.shape[:2]
+        q = apply_rope(self.wq_b(q_residual).view(N * T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        scores = torch.einsum("nthc,nec->nthe", q.view(N, T, self.n_heads, -1).float(), keys.float())
+        weights = self.weights_proj(x).float().view(N, T, self.n_heads, 1) * self.n_heads**-0.5
+        scores = (F.relu(scores) * self.head_dim**-0.5 * weights).sum(dim=2)  # [N, T, E]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [N, T, k]
+        return torch.zeros_like(visible).scatter(-1, chosen, True) & visible
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA with sinks over the sliding window (+ compressed entries), partial interleaved
+    rope on the last channels (undone on the output), grouped low-rank output projection."""
+
+    def __init__(self, config: DeepseekV4Config, attention_type: str):
+        super().__init__()
+        c = config
+        self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads, c.head_dim, c.sliding_window, c.rms_norm_eps
+        self.rate, self.groups = c.compress_rate(attention_type), c.o_groups
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.wo_a = nn.Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(c.num_attention_heads, dtype=torch.float32))
+        if self.rate:
+            self.compressor = Compressor(c, c.head_dim, self.rate, overlap=attention_type == CSA)
+        if attention_type == CSA:
+            self.indexer = Indexer(c)
+
+    def state_specs(self, max_seqs: int, max_len: int, dtype: torch.dtype) -> list[tuple[str, list[int], torch.dtype]]:
+        S = max_seqs + 1
+        specs = [("window", [S, self.window, self.head_dim], dtype)]
+        if self.rate:
+            specs += [("entries", [S, max_len // self.rate, self.head_dim], dtype),
+                      ("buffer", [S, self.compressor.ring_size(), 2 * self.compressor.wkv.out_features], dtype)]
+        if hasattr(self, "indexer"):
+            index = self.indexer.compressor
+            specs += [("index_entries", [S, max_len // self.rate, index.width], dtype),
+                      ("index_buffer", [S, index.ring_size(), 2 * index.wkv.out_features], dtype)]
+        return specs
+
+    def forward(self, x, cos, sin, start, end, seq_slots, window, *compressed_state):
+        """x [N*T, D] -> [N*T, D]."""
+        N, H, Dh = seq_slots.shape[0], self.n_heads, self.head_dim
+        T = x.shape[0] // N
+        q_residual = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(N * T, H, Dh), self.eps)
+        q = apply_rope(q, cos[:, None], sin[:, None]).view(N, T, H, Dh)
+        kv = apply_rope(self.norm(self.wkv(x)), cos, sin).view(N, T, Dh)
+
+        # Sliding keys: the ring as it was before this step, then this step's tokens.
+        p = start[:, None] + torch.arange(T, device=x.device)  # [N, T] query positions
+        ring = window.index_select(0, seq_slots)  # [N, W, Dh]
+        key_pos = torch.cat([ring_positions(start - 1, self.window), p], dim=1)  # [N, W + T]
+        keys = torch.cat([ring, kv], dim=1)
+        visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= p[..., None]) & (key_pos[:, None, :] > p[..., None] - self.window)
+        update_ring(window, ring, kv, start, end, seq_slots)
+
+        if self.rate:
+            entry_keys = self.compressor(x, start, end, seq_slots, *compressed_state[:2])  # [N, E, Dh]
+            closed = torch.arange(entry_keys.shape[1], device=x.device) < ((p + 1) // self.rate)[..., None]  # [N, T, E]
+            if hasattr(self, "indexer"):
+                closed = self.indexer(x, q_residual, cos, sin, start, end, seq_slots, closed, *compressed_state[2:])
+            keys = torch.cat([keys, entry_keys], dim=1)  # [N, W + T + E, Dh]
+            visible = torch.cat([visible, closed], dim=2)
+
+        scores = torch.einsum("nthd,nkd->nthk", q, keys) * Dh**-0.5
+        scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+        sinks = self.attn_sink.to(scores.dtype).view(1, 1, H, 1).expand(N, T, H, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)  # the sink absorbs mass
+        out = torch.einsum("nthk,nkd->nthd", probs, keys).reshape(N * T, H, Dh)
+        out = apply_rope(out, cos[:, None], -sin[:, None])  # V carried the keys' rotation: undo it at the query
+        grouped = out.view(N * T, self.groups, -1)  # [R, g, H Dh / g]
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H Dh / g]
+        return self.wo_b(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
+
+
+def hyper_connection(h, fn, base, scale, iters: int, eps: float, norm_eps: float):
+    """mHC weights from the n streams h [R, n, D]: post [R, n], comb [R, n, n] (doubly stochastic by
+    Sinkhorn-Knopp) and the block input x = sum_j pre_j h_j [R, D]."""
+    n = h.shape[1]
+    flat = h.flatten(1).float()
+    mixes = F.linear(unweighted_rms_norm(flat, norm_eps), fn.float())  # [R, (2 + n) n]
+    pre, post, comb = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post * scale[1] + post_b)
+    comb = torch.softmax(comb.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    x = (pre[..., None] * h).sum(dim=1).to(h.dtype)
+    return post, comb, x
+
+
+class Gate(nn.Module):
+    """Routing: `moe` picks the top-k of score + bias; `hash_moe` takes tid2eid[token]. The weights
+    are the picked scores, normalised, times routed_scaling_factor (as transformers and DeepSeek)."""
+
+    def __init__(self, config: DeepseekV4Config, hashed: bool):
+        super().__init__()
+        c = config
+        self.top_k, self.scaling, self.scoring = c.num_experts_per_tok, c.routed_scaling_factor, c.scoring_func
+        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
+        if hashed:
+            self.tid2eid = nn.Parameter(torch.zeros(c.vocab_size, c.num_experts_per_tok, dtype=torch.int64), requires_grad=False)
+        else:
+            self.bias = nn.Parameter(torch.zeros(c.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x, tokens):
+        """x [R, D], tokens [R] -> weights [R, k], global expert ids [R, k]."""
+        logits = F.linear(x, self.weight)
+        scores = F.softplus(logits).sqrt() if self.scoring == "sqrtsoftplus" else logits.sigmoid()  # [R, E]
+        if hasattr(self, "tid2eid"):
+            ids = self.tid2eid[tokens]
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, ids
+
+
+def clamped_swiglu(gate, up, limit: float):
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    """Clamped SwiGLU, its hidden dim split over tp (row-parallel w2: a partial sum per rank)."""
+
+    def __init__(self, config: DeepseekV4Config, tp: int = 1):
+        super().__init__()
+        self.limit = config.swiglu_limit
+        hidden = config.moe_intermediate_size // tp
+        self.w1 = nn.Linear(config.hidden_size, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(config.hidden_size, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, config.hidden_size, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked [E_local, out, in]) plus the shared expert, in static-shape form;
+    the expert split over ranks is V3's (models/parallel.py): buffers say which experts this rank
+    holds and computes, and the partial sums meet in one all-reduce over "world"."""
+
+    def __init__(self, config: DeepseekV4Config, hashed: bool, layout: Layout = Layout()):
+        super().__init__()
+        c = config
+        self.config, self.layout, self.limit = c, layout, c.swiglu_limit
+        E, I = c.n_routed_experts // layout.ep, c.moe_intermediate_size
+        self.gate = Gate(c, hashed)
+        self.experts_w13 = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # w1 (gate) rows, then w3 (up) rows
+        self.experts_w2 = nn.Parameter(torch.empty(E, c.hidden_size, I))
+        self.shared_experts = SharedExpert(c, layout.tp)
+        self.init_buffers()
+
+    def init_buffers(self, rank: int = 0):
+        with torch.device("cpu"):
+            for name, value in rank_buffers(self.layout, self.config, rank).items():
+                self.register_buffer(name, value, persistent=False)
+
+    def forward(self, x, tokens):
+        weights, ids = self.gate(x, tokens)  # [R, k] each
+        E_local = self.experts_w13.shape[0]
+        is_local = (ids >= self.owned_begin) & (ids < self.owned_end)
+        weights = torch.where(is_local, weights, 0.0).to(x.dtype)
+        local_ids = (ids - self.expert_offset).clamp(0, E_local - 1)
+        if x.shape[0] * ids.shape[1] < E_local:  # gather the routed experts (decode) or run all local ones
+            gate, up = torch.einsum("rd,rkfd->rkf", x, self.experts_w13[local_ids]).chunk(2, dim=-1)
+            y = torch.einsum("rki,rkdi->rkd", clamped_swiglu(gate, up, self.limit), self.experts_w2[local_ids])
+            routed = (y * weights[..., None]).sum(dim=1)
+        else:
+            combine = torch.zeros(x.shape[0], E_local, dtype=x.dtype, device=x.device).scatter_add(1, local_ids, weights)
+            gate, up = torch.einsum("rd,efd->ref", x, self.experts_w13).chunk(2, dim=-1)
+            y = torch.einsum("rei,edi->red", clamped_swiglu(gate, up, self.limit), self.experts_w2)
+            routed = torch.einsum("red,re->rd", y, combine)
+        out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)
+        return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
+
+
+class InputEmbedding(nn.Module):
+    """Token embedding copied to the hc_mult streams, both rope tables at this step's positions,
+    each sequence's [start, end] positions, and the first layer's (zero) pending MoE output."""
+
+    def __init__(self, config: DeepseekV4Config):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.init_buffers()
+
+    def init_buffers(self):
+        with torch.device("cpu"):
+            r = self.config.qk_rope_head_dim
+            main, self.main_scale = rope_frequencies(self.config.rope, r)
+            compress, self.compress_scale = rope_frequencies(self.config.compress_rope, r)
+        self.register_buffer("main_inv_freq", main, persistent=False)
+        self.register_buffer("compress_inv_freq", compress, persistent=False)
+
+    def forward(self, tokens, positions, last_index=None):
+        x = F.embedding(tokens, self.weight)  # [R, D]
+        h = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()  # [R, n, D]
+        post, pending = torch.zeros_like(h[..., 0]), torch.zeros_like(x)
+        main = rope_at(positions, self.main_inv_freq, self.main_scale, x.dtype)
+        compress = rope_at(positions, self.compress_inv_freq, self.compress_scale, x.dtype)
+        if last_index is None:  # decode: one token per sequence (a copy: a unit may not return its input)
+            start = end = positions.clone()
+        else:  # prefill: one sequence, valid tokens first
+            start, end = positions[:1], positions.index_select(0, last_index)
+        return h, post, pending, *main, *compress, start, end
+
+
+class DecoderLayer(nn.Module):
+    """mHC around attention and MoE. The residual streams enter as `mixed + post * pending`: the
+    layer returns its MoE output unmixed, and the next layer (or the head) mixes it first, so the
+    MoE's all-reduce ends the layer's last region instead of standing between two small ones."""
+
+    def __init__(self, config: DeepseekV4Config, index: int, layout: Layout = Layout()):
+        super().__init__()
+        c = config
+        self.kind = c.layer_kind(index)
+        self.sliding = c.layer_types[index] == SLIDING
+        self.iters, self.hc_eps, self.eps = c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps
+        n, D = c.hc_mult, c.hidden_size
+        for block in ("attn", "ffn"):
+            setattr(self, f"hc_{block}_fn", nn.Parameter(torch.empty((2 + n) * n, n * D, dtype=torch.float32)))
+            setattr(self, f"hc_{block}_base", nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32)))
+            setattr(self, f"hc_{block}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
+        self.attn_norm = RMSNorm(D, c.rms_norm_eps)
+        self.attn = Attention(c, c.layer_types[index])
+        self.ffn_norm = RMSNorm(D, c.rms_norm_eps)
+        self.ffn = MoE(c, c.mlp_layer_types[index] == "hash_moe", layout)
+
+    def forward(self, h, post, pending, cos_main, sin_main, cos_compress, sin_compress, tokens, start, end, seq_slots, *state):
+        h = h + post.to(h.dtype)[..., None] * pending[:, None, :]  # [R, n, D]
+        cos, sin = (cos_main, sin_main) if self.sliding else (cos_compress, sin_compress)
+        post, comb, x = hyper_connection(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.iters, self.hc_eps, self.eps)
+        a = self.attn(self.attn_norm(x), cos, sin, start, end, seq_slots, *state)
+        h = post.to(h.dtype)[..., None] * a[:, None, :] + torch.matmul(comb.to(h.dtype).mT, h)
+        post, comb, x = hyper_connection(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.iters, self.hc_eps, self.eps)
+        return torch.matmul(comb.to(h.dtype).mT, h), post, self.ffn(self.ffn_norm(x), tokens)
+
+
+class LMHead(nn.Module):
+    """Mixes the last pending MoE output in, collapses the streams (hyper-head), final norm and the
+    vocabulary projection; vocabulary-parallel over tp, then one all-gather (as V3)."""
+
+    def __init__(self, config: DeepseekV4Config, tp: int = 1):
+        super().__init__()
+        n, D = config.hc_mult, config.hidden_size
+        self.tp, self.hc_eps, self.eps = tp, config.hc_eps, config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.weight = nn.Parameter(torch.empty(config.vocab_size // tp, D))
+
+    def forward(self, h, post, pending, last_index=None):
+        """-> logits [R, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
+        if last_index is not None:
+            h, post, pending = (t.index_select(0, last_index) for t in (h, post, pending))
+        h = h + post.to(h.dtype)[..., None] * pending[:, None, :]  # [R, n, D]
+        mixes = F.linear(unweighted_rms_norm(h.flatten(1).float(), self.eps), self.hc_fn.float())  # [R, n]
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        x = (pre[..., None] * h).sum(dim=1).to(h.dtype)
+        logits = F.linear(self.norm(x), self.weight).float()  # [R, V / tp]
+        return torch.ops.deepinfer.all_gather(logits, "tp", -1, self.tp) if self.tp > 1 else logits
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layout: Layout = Layout()):
+        super().__init__()
+        layout.check(config)
+        self.config, self.layout = config, layout
+        self.embed = InputEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, layout) for i in range(config.num_hidden_layers))
+        self.head = LMHead(config, layout.tp)
+        self.tie_weights()
+
+    @staticmethod
+    def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+        """Norms, mHC, sinks, compressor biases and the router bias stay float32 (as transformers)."""
+        if name.endswith("tid2eid"):
+            return torch.int64
+        leaf = name.rpartition(".")[2]
+        if name.endswith(("norm.weight", ".attn_sink", ".ape", "gate.bias")) or leaf.startswith("hc_"):
+            return torch.float32
+        return dtype
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings and self.layout.tp == 1:
+            self.head.weight = self.embed.weight
+
+    def state_specs(self, max_seqs: int, max_len: int) -> list[list[tuple[str, list[int], torch.dtype]]]:
+        """Per layer, the named state tensors it keeps (see the module docstring)."""
+        dtype = self.embed.weight.dtype
+        return [layer.attn.state_specs(max_seqs, max_len, dtype) for layer in self.layers]
+
+    def new_state(self, max_seqs: int, max_len: int) -> list[list[torch.Tensor]]:
+        return [[torch.zeros(shape, dtype=dtype) for _, shape, dtype in layer] for layer in self.state_specs(max_seqs, max_len)]
+
+    def prefill(self, tokens, positions, slots, read_slot, last_index, state):
+        h, post, pending, *rope, start, end = self.embed(tokens, positions, last_index)
+        for layer, layer_state in zip(self.layers, state):
+            h, post, pending = layer(h, post, pending, *rope, tokens, start, end, read_slot, *layer_state)
+        return self.head(h, post, pending, last_index)  # [1, V]
+
+    def decode(self, tokens, positions, slots, state):
+        h, post, pending, *rope, start, end = self.embed(tokens, positions)
+        for layer, layer_state in zip(self.layers, state):
+            h, post, pending = layer(h, post, pending, *rope, tokens, start, end, slots, *layer_state)
+        return self.head(h, post, pending)  # [B, V]
+
+
+def init_random(model: DeepseekV4, seed: int) -> DeepseekV4:
+    """Deterministic random weights with decisive logits (see V3's init_random); hash tables
+    route token t to distinct experts; mHC scales 1 and bases 0 as transformers initialises them."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            leaf = name.rpartition(".")[2]
+            if name.endswith("norm.weight") or leaf.endswith("_scale"):
+                param.fill_(1.0)
+            elif leaf.endswith("_base"):
+                param.zero_()
+            elif name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                param.copy_(torch.stack([torch.randperm(experts, generator=generator)[: param.shape[1]]
+                                         for _ in range(param.shape[0])]))
+            elif name.endswith(("gate.bias", ".attn_sink", ".ape")):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            else:
+                fan_in = param.shape[-1] if name != "embed.weight" else 1
+                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
+    return model
+
+
+_TOP_LEVEL = {  # our name -> (DeepSeek's upstream key, transformers' save_pretrained key)
+    "embed.weight": ("embed.weight", "model.embed_tokens.weight"),
+    "head.weight": ("head.weight", "head.weight"),
+    "head.norm.weight": ("norm.weight", "model.norm.weight"),
+    "head.hc_fn": ("hc_head_fn", "model.hc_head.hc_fn"),
+    "head.hc_base": ("hc_head_base", "model.hc_head.hc_base"),
+    "head.hc_scale": ("hc_head_scale", "model.hc_head.hc_scale"),
+}
+
+
+def checkpoint_keys(name: str, config: DeepseekV4Config, shape: tuple, saved_by_transformers: bool) -> list[tuple[str, tuple]]:
+    """The checkpoint tensors (key, shape) our parameter `name` of full `shape` is made of. Layer
+    weights carry DeepSeek's upstream names (`layers.3.attn.wq_a.weight`), which transformers'
+    save_pretrained writes too under `model.`; routed experts are one tensor per expert."""
+    if name == "head.weight" and config.tie_word_embeddings:
+        name = "embed.weight"
+    if name in _TOP_LEVEL:
+        return [(_TOP_LEVEL[name][saved_by_transformers], tuple(shape))]
+    prefix = "model." if saved_by_transformers else ""
+    layer, _, rest = name.partition(".ffn.experts_")
+    if rest:  # stacked [E, out, in] from layers.N.ffn.experts.E.w{1,3,2}.weight
+        parts = ("w1", "w3") if rest == "w13" else ("w2",)
+        per_expert = (shape[1] // len(parts), shape[2])
+        return [(f"{prefix}{layer}.ffn.experts.{e}.{p}.weight", per_expert) for e in range(shape[0]) for p in parts]
+    return [(prefix + name, tuple(shape))]

@@ -196,18 +196,26 @@ def _spec(value: torch.Tensor) -> TensorSpec:
 def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: int, timeout: float,
                     progress: bool) -> tuple[dict[str, Path], int]:
     """Artifact per unique region, from the cache or from a worker; raises CompileFailed. Each
-    region is cached the moment its worker finishes, so an interrupted compile keeps it."""
+    region is cached the moment its worker finishes, so an interrupted compile keeps it. A backend
+    that only serializes (IN_PROCESS) has nothing to isolate and runs here, unless a fault is
+    injected (the testing aid lives in the worker)."""
     backend = backend_module(recipe.backend)
-    artifacts, todo = {}, []
+    in_process = getattr(backend, "IN_PROCESS", False) and "inject_fault" not in the_plan.backend_options
+    artifacts, todo, hits = {}, [], 0
     for fp, graph_module in the_plan.regions.items():
         hit = cache.get(fp)
         if hit is not None:
-            artifacts[fp] = hit
+            artifacts[fp], hits = hit, hits + 1
             continue
         work = cache.work_dir(fp)
+        out_file = work / f"{fp}.{backend.EXTENSION}"
+        if in_process:
+            backend.compile(export_region(graph_module), the_plan.backend_options, out_file)
+            artifacts[fp] = cache.put(fp, out_file, {"backend": recipe.backend, "seconds": 0.0})
+            cache.prune_work(fp)
+            continue
         torch.export.save(export_region(graph_module), work / "region.ep.pt2")
-        todo.append(Job(fp, work / "region.ep.pt2", work / f"{fp}.{backend.EXTENSION}", recipe.backend,
-                        the_plan.backend_options, work / "compile.log"))
+        todo.append(Job(fp, work / "region.ep.pt2", out_file, recipe.backend, the_plan.backend_options, work / "compile.log"))
 
     def store(result: JobResult):
         if result.ok:
@@ -219,7 +227,7 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
     failures = [r for r in results if not r.ok]
     if failures:
         raise CompileFailed(failures, timeout)
-    return artifacts, len(the_plan.regions) - len(todo)
+    return artifacts, hits
 
 
 def weight_writer(recipe: Recipe, names: list[str], layout: Layout):

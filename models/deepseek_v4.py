@@ -25,6 +25,10 @@ is scratch), sized from kv.max_len = L (a multiple of every compress rate):
 Every read is gated by position (a ring slot's position is computed, not stored; an entry is
 visible once its window has closed), so a slot reused by a new sequence never sees its previous
 occupant and nothing is ever cleared.
+
+Fixed shapes pay for the pool: the indexer scores all L/m CSA entries and HCA attends all L/m'
+entries at every step. CSA attention itself reads only the k chosen entries at decode (a gather);
+a prefill chunk attends all entries under a per-query mask (T x k gathered rows would cost more).
 """
 
 import math
@@ -158,7 +162,8 @@ class Indexer(nn.Module):
         self.compressor = Compressor(c, c.index_head_dim, c.compress_rate_csa, overlap=True)
 
     def forward(self, x, q_residual, cos, sin, start, end, seq_slots, visible, entries, buffer):
-        """-> [N, T, E] bool: the entries each query attends to (a subset of `visible`)."""
+        """-> the top-k entry ids of each query [N, T, k], and which of them it may see (`visible`
+        [N, T, E]: fewer than k windows may have closed)."""
         keys = self.compressor(x, start, end, seq_slots, entries, buffer)  # [N, E, c]
         N, T = visible.shape[:2]
         q = apply_rope(self.wq_b(q_residual).view(N * T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
@@ -167,7 +172,7 @@ class Indexer(nn.Module):
         scores = (F.relu(scores) * self.head_dim**-0.5 * weights).sum(dim=2)  # [N, T, E]
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [N, T, k]
-        return torch.zeros_like(visible).scatter(-1, chosen, True) & visible
+        return chosen, visible.gather(-1, chosen)
 
 
 class Attention(nn.Module):
@@ -225,8 +230,13 @@ class Attention(nn.Module):
             entry_keys = self.compressor(x, start, end, seq_slots, *compressed_state[:2])  # [N, E, Dh]
             closed = torch.arange(entry_keys.shape[1], device=x.device) < ((p + 1) // self.rate)[..., None]  # [N, T, E]
             if hasattr(self, "indexer"):
-                closed = self.indexer(x, q_residual, cos, sin, start, end, seq_slots, closed, *compressed_state[2:])
-            keys = torch.cat([keys, entry_keys], dim=1)  # [N, W + T + E, Dh]
+                chosen, seen = self.indexer(x, q_residual, cos, sin, start, end, seq_slots, closed, *compressed_state[2:])
+                if T == 1:  # decode: read only the k chosen entries, whatever max_len is
+                    entry_keys = entry_keys.gather(1, chosen[:, 0, :, None].expand(-1, -1, Dh))  # [N, k, Dh]
+                    closed = seen
+                else:  # prefill: every entry, each query masked to its own choice
+                    closed = torch.zeros_like(closed).scatter(-1, chosen, True) & closed
+            keys = torch.cat([keys, entry_keys], dim=1)  # [N, W + T + E (or k), Dh]
             visible = torch.cat([visible, closed], dim=2)
 
         scores = torch.einsum("nthd,nkd->nthk", q, keys) * Dh**-0.5

@@ -30,7 +30,7 @@ class DeepseekV4Config:
     n_routed_experts: int = 256
     n_shared_experts: int = 1
     scoring_func: str = "sqrtsoftplus"
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = True  # read, not used: V4 always normalises the picked scores (transformers, DeepSeek)
     routed_scaling_factor: float = 1.5
     max_position_embeddings: int = 1048576
     layer_types: tuple = ()
@@ -117,8 +117,7 @@ class DeepseekV4Config:
         if raw.get("eos_token_id", 1) is None:
             values["eos_token_id"] = None
         _fold_legacy(raw, values, source)
-        config = cls(**values, rope=RopeConfig(rope_theta=raw.get("rope_theta", 10000.0)),
-                     compress_rope=_compress_rope(raw, source))
+        config = cls(**values, rope=_main_rope(raw, source), compress_rope=_compress_rope(raw, source))
         _check_values(config, source)
         return config
 
@@ -160,6 +159,17 @@ def _fold_legacy(raw: dict, values: dict, source: str):
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
             raise ConfigError(f"{source}: partial_rotary_factor={factor!r} must be in (0, 1].")
         values["qk_rope_head_dim"] = int(head_dim * factor) if isinstance(head_dim, int) else 0
+
+
+def _main_rope(raw: dict, source: str) -> RopeConfig:
+    """The sliding layers' rope: default (unscaled) over `rope_theta`, as transformers builds it."""
+    params = raw.get("rope_parameters")
+    main = params.get("main") if isinstance(params, dict) else None
+    if isinstance(main, dict):
+        if main.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: rope_parameters.main.rope_type={main['rope_type']!r} is not supported (default).")
+        return RopeConfig(rope_theta=main.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    return RopeConfig(rope_theta=raw.get("rope_theta", 10000.0))
 
 
 def _compress_rope(raw: dict, source: str) -> RopeConfig:

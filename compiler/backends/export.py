@@ -6,6 +6,7 @@ so nothing in it is a pickle, and the runtime loads it without unpickling anythi
 from torch._export.serde.serialize import serialize
 
 EXTENSION = "ep.json"
+IN_PROCESS = True  # serialization only: nothing that can crash or hang, so no worker process
 
 
 def unavailable():

@@ -1,6 +1,7 @@
 """What a recipe compiles to, before any backend work: programs, schedules, unique regions."""
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import yaml
 
 from deepinfer.compiler.build import plan
 from deepinfer.compiler.recipe import load_recipe
-from tests.conftest import TINY_RECIPE, write_recipe
+from tests.conftest import ROOT, TINY_RECIPE, write_recipe
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_regions.json"
 
@@ -89,6 +90,26 @@ def test_full_size_deepseek_v3_traces_on_fake_weights(tmp_path):
     assert report["steps"] == {"decode/8": 63, "prefill/128": 63}  # embed + 61 layers + head
     assert report["regions"] == 8
     assert report["peak_rss_mb"] < 4000  # no weights materialized (the bf16 weights alone are ~1.3 TB)
+
+
+def test_full_size_deepseek_v4_flash_traces_on_fake_weights(tmp_path):
+    """V4-Flash (43 layers, 256 experts, head_dim 512, 64K context) traces with no weights and no
+    state allocated: 4 layer kinds x 2 programs, plus embed and head. bench/v4_full_size.py reports
+    V4-Pro and the state and weight sizes."""
+    bench = runpy.run_path(str(ROOT / "bench" / "v4_full_size.py"))
+    MODELS, TRACE = bench["MODELS"], bench["TRACE"]
+
+    recipe = {"name": "v4-flash", "model": {"arch": "deepseek_v4", "config": MODELS["flash"]}, "dtype": "bfloat16",
+              "methods": {"decode": {"buckets": [8]}, "prefill": {"buckets": [128]}}, "kv": {"max_seqs": 8, "max_len": 65536},
+              "backend": {"name": "export"}, "output": str(tmp_path / "out")}
+    (tmp_path / "flash.yaml").write_text(yaml.safe_dump(recipe))
+    run = subprocess.run([sys.executable, "-c", TRACE, str(tmp_path / "flash.yaml")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    print(f"V4-Flash trace: {report}")
+    assert report["steps"] == {"decode/8": 45, "prefill/128": 45}  # embed + 43 layers + head
+    assert report["unique_regions"] == 12
+    assert report["peak_rss_mib"] < 4000  # 530 GiB of bf16 weights and 3.5 GiB of state were never made
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ methods `prefill`/`decode`, sub-modules `embed`, `layers[i]` (with a `kind`) and
 """
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-from dataclasses import dataclass
-from typing import Callable
 
 from . import deepseek_v3, deepseek_v4
 from .checkpoint import CheckpointError, SafetensorsDir, init_buffers, read_config, set_parameter

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_checkpoint, read_weight
 from deepinfer.models.checkpoint import SafetensorsDir
@@ -202,7 +203,8 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
     backend = backend_module(recipe.backend)
     in_process = getattr(backend, "IN_PROCESS", False) and "inject_fault" not in the_plan.backend_options
     artifacts, todo, hits = {}, [], 0
-    for fp, graph_module in the_plan.regions.items():
+    regions = tqdm(the_plan.regions.items(), desc="exporting", unit="region", disable=not progress, leave=False)
+    for fp, graph_module in regions:
         hit = cache.get(fp)
         if hit is not None:
             artifacts[fp], hits = hit, hits + 1

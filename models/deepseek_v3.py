@@ -232,31 +232,35 @@ class MoE(nn.Module):
 
     def forward(self, x):
         weights, ids = self.gate(x)  # [N, k], [N, k]
-        E_local = self.experts_gate_up.shape[0]
-        is_local = (ids >= self.owned_begin) & (ids < self.owned_end)
-        weights = torch.where(is_local, weights, 0.0).to(x.dtype)
-        local_ids = (ids - self.expert_offset).clamp(0, E_local - 1)
-        # Static shapes pick the form: gathering k experts per row reads less than all experts
-        # only while rows * k < E_local (decode); otherwise compute every local expert (prefill).
-        if x.shape[0] * ids.shape[1] < E_local:
-            routed = self._gathered_experts(x, weights, local_ids)
-        else:
-            routed = self._all_experts(x, weights, local_ids)
+        routed = routed_experts(self, x, weights, ids, self.experts_gate_up, self.experts_down, swiglu)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)  # [N, D]
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 
-    def _gathered_experts(self, x, weights, local_ids):
-        gate_up = self.experts_gate_up[local_ids]  # [N, k, 2I, D]
-        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up).chunk(2, dim=-1)  # [N, k, I] each
-        y = torch.einsum("nki,nkdi->nkd", F.silu(gate) * up, self.experts_down[local_ids])  # [N, k, D]
-        return (y * weights[..., None]).sum(dim=1)
 
-    def _all_experts(self, x, weights, local_ids):
-        combine = torch.zeros(x.shape[0], self.experts_gate_up.shape[0], dtype=x.dtype, device=x.device)
-        combine = combine.scatter_add(1, local_ids, weights)  # [N, E_local], zero where not routed
-        gate, up = torch.einsum("nd,efd->nef", x, self.experts_gate_up).chunk(2, dim=-1)  # [N, E, I]
-        y = torch.einsum("nei,edi->ned", F.silu(gate) * up, self.experts_down)  # [N, E, D]
-        return torch.einsum("ned,ne->nd", y, combine)
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def routed_experts(moe: nn.Module, x, weights, ids, gate_up, down, activation):
+    """The routed experts' sum [N, D] for x [N, D], routing weights and global expert ids [N, k];
+    stacked weights gate_up [E_local, 2I, D] (gate rows, then up rows) and down [E_local, D, I].
+    The rank's `moe` buffers say which experts it holds (expert_offset) and computes
+    ([owned_begin, owned_end)); a routed expert owned elsewhere contributes zero here."""
+    E_local = gate_up.shape[0]
+    is_local = (ids >= moe.owned_begin) & (ids < moe.owned_end)
+    weights = torch.where(is_local, weights, 0.0).to(x.dtype)
+    local_ids = (ids - moe.expert_offset).clamp(0, E_local - 1)
+    # Static shapes pick the form: gathering k experts per row reads less than all experts
+    # only while rows * k < E_local (decode); otherwise compute every local expert (prefill).
+    if x.shape[0] * ids.shape[1] < E_local:
+        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up[local_ids]).chunk(2, dim=-1)  # [N, k, I] each
+        y = torch.einsum("nki,nkdi->nkd", activation(gate, up), down[local_ids])  # [N, k, D]
+        return (y * weights[..., None]).sum(dim=1)
+    combine = torch.zeros(x.shape[0], E_local, dtype=x.dtype, device=x.device)
+    combine = combine.scatter_add(1, local_ids, weights)  # [N, E_local], zero where not routed
+    gate, up = torch.einsum("nd,efd->nef", x, gate_up).chunk(2, dim=-1)  # [N, E, I]
+    y = torch.einsum("nei,edi->ned", activation(gate, up), down)  # [N, E, D]
+    return torch.einsum("ned,ne->nd", y, combine)
 
 
 class DecoderLayer(nn.Module):

@@ -32,6 +32,7 @@ a prefill chunk attends all entries under a per-query mask (T x k gathered rows 
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ from torch import nn
 import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
 
 from . import deepseek_v3
-from .deepseek_v3 import rope_frequencies
+from .deepseek_v3 import routed_experts, rope_frequencies
 from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from .parallel import Layout, rank_buffers
 
@@ -337,19 +338,8 @@ class MoE(nn.Module):
 
     def forward(self, x, tokens):
         weights, ids = self.gate(x, tokens)  # [R, k] each
-        E_local = self.experts_w13.shape[0]
-        is_local = (ids >= self.owned_begin) & (ids < self.owned_end)
-        weights = torch.where(is_local, weights, 0.0).to(x.dtype)
-        local_ids = (ids - self.expert_offset).clamp(0, E_local - 1)
-        if x.shape[0] * ids.shape[1] < E_local:  # gather the routed experts (decode) or run all local ones
-            gate, up = torch.einsum("rd,rkfd->rkf", x, self.experts_w13[local_ids]).chunk(2, dim=-1)
-            y = torch.einsum("rki,rkdi->rkd", clamped_swiglu(gate, up, self.limit), self.experts_w2[local_ids])
-            routed = (y * weights[..., None]).sum(dim=1)
-        else:
-            combine = torch.zeros(x.shape[0], E_local, dtype=x.dtype, device=x.device).scatter_add(1, local_ids, weights)
-            gate, up = torch.einsum("rd,efd->ref", x, self.experts_w13).chunk(2, dim=-1)
-            y = torch.einsum("rei,edi->red", clamped_swiglu(gate, up, self.limit), self.experts_w2)
-            routed = torch.einsum("red,re->rd", y, combine)
+        activation = partial(clamped_swiglu, limit=self.limit)
+        routed = routed_experts(self, x, weights, ids, self.experts_w13, self.experts_w2, activation)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 

@@ -87,6 +87,7 @@ class Leader:
         self.followers: list[subprocess.Popen] = []
         self.logs: list = []  # each follower's unnamed output file
         self.stopping = False
+        self.watchdog: threading.Thread | None = None
         self.step_id = 0
         if not torchrun:
             # Ranks share this host's cores: W ranks each spinning up all cores' worth of OpenMP
@@ -112,7 +113,8 @@ class Leader:
             else:
                 addr, port = "127.0.0.1", _free_port()
                 self._spawn(addr, port, verify_key_file)
-                threading.Thread(target=self._watch, daemon=True).start()
+                self.watchdog = threading.Thread(target=self._watch, daemon=True)
+                self.watchdog.start()
             join(self.executor, 0, self.world_size, addr, port)
         except BaseException:
             self.shutdown(kill=True)
@@ -169,6 +171,10 @@ class Leader:
         if self.stopping:
             return
         self.stopping = True
+        if self.watchdog is not None and self.watchdog is not threading.current_thread():
+            # A daemon thread still running while the interpreter exits can abort it (SIGABRT,
+            # "terminate called without an active exception") on a busy host.
+            self.watchdog.join()
         if not kill:  # spawned followers, or torchrun's
             try:
                 self.ring.write(self.step_id, encode(None, self.max_bucket), timeout=10)

@@ -28,6 +28,7 @@ from .pack import pack_collectives
 from .pool import Job, JobResult, run_jobs
 from .recipe import Recipe, RecipeError
 from .split import boundary_matches, export_region, input_values, output_values, split_unit
+from .tokenizer_files import tokenizer_files
 from .weights import write_rank_files
 
 
@@ -280,18 +281,18 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     layout = _layout(recipe)
     cfg = the_plan.model_config
     checkpoint = recipe.model["checkpoint"]
-    tokenizer = Path(checkpoint) / "tokenizer.json" if checkpoint else None
-    tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
+    carried = tokenizer_files(checkpoint)
     ext = backend_module(recipe.backend).EXTENSION
     regions = {fp: Region(f"regions/{fp}.{ext}", recipe.backend, [_spec(v) for v in input_values(gm)],
                           [_spec(v) for v in output_values(gm)]) for fp, gm in the_plan.regions.items()}
     manifest = Manifest(
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
         parallel=recipe.parallel, buckets=recipe.buckets, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
-        weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if tokenizer else None,
+        weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if "tokenizer.json" in carried else None,
         vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
+        chat_template="chat_template.json" if "chat_template.json" in carried else None,
     )
-    write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan.weight_names, layout), tokenizer, sign_key)
+    write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan.weight_names, layout), carried, sign_key)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
     return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
                    time.perf_counter() - start, recipe.output)

@@ -35,8 +35,9 @@ def check_output(out: Path):
 
 
 def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], write_weights,
-                 tokenizer_file: Path | None, sign_key: bytes | None = None) -> Path:
-    """`write_weights(directory)` writes the manifest's weight files into `directory`; with
+                 extra_files: dict[str, bytes], sign_key: bytes | None = None) -> Path:
+    """`write_weights(directory)` writes the manifest's weight files into `directory`;
+    `extra_files` (name -> content) are the tokenizer files the manifest names; with
     `sign_key` the manifest (which lists every file's sha256) is signed with it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -48,8 +49,8 @@ def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], w
         for fingerprint, region in manifest.regions.items():
             shutil.copyfile(region_files[fingerprint], staging / region.file)
         write_weights(staging / "weights")
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, staging / manifest.tokenizer)
+        for name, content in extra_files.items():
+            (staging / name).write_bytes(content)
         manifest.files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         (staging / "manifest.json").write_text(manifest.to_json())
         if sign_key is not None:

@@ -29,13 +29,14 @@ from .manifest import peek_world_size
 from .sampling import SamplingParams
 
 
-def open_bundle(bundle: Path, under_torchrun: bool, verify_key_file: Path | None = None):
-    """A single-rank executor, or for a multi-rank bundle the leader of its follower ranks."""
+def open_bundle(bundle: Path, under_torchrun: bool, verify_key_file: Path | None = None, on_failure=None):
+    """A single-rank executor, or for a multi-rank bundle the leader of its follower ranks
+    (`on_failure`: see Leader)."""
     from .executor import BundleExecutor
 
     if peek_world_size(bundle) == 1:
         return BundleExecutor(bundle, verify_key_file=verify_key_file)
-    return Leader(bundle, torchrun=under_torchrun, verify_key_file=verify_key_file)
+    return Leader(bundle, torchrun=under_torchrun, verify_key_file=verify_key_file, on_failure=on_failure)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -82,8 +83,7 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         m = executor.manifest
         tokenizer = load_tokenizer(executor.bundle if m.tokenizer else None, m.vocab_size)
         load_seconds = time.perf_counter() - load_start
-        engine = Engine(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id,
-                        m.vocab_size)
+        engine = Engine.for_bundle(executor)
         all_ids = [tokenizer.encode(p) for p in prompts] + [parse_ids(p) for p in prompt_ids]
         results = engine.generate([Request(ids, max_tokens, sampling) for ids in all_ids])
     except DeepinferError as err:

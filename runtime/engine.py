@@ -1,8 +1,18 @@
-"""The leader's engine: a request queue, chunked prefill, batched decode, sampling.
+"""The leader's engine: continuous batching over a fixed pool of sequence slots.
 
 It knows nothing of how a step is computed: `executor.run(step) -> logits` may be the eager
-model, a compiled bundle, or a leader that also feeds follower ranks. Static shapes rule here:
-every step is padded to a bucket, and padding points at the scratch slot (index max_seqs).
+model, a compiled bundle, or a leader that also feeds follower ranks. Nor of who asks: the
+front doors (`deepinfer-run`'s list of prompts, the HTTP server) `submit` requests and call
+`step` until their sequences finish; a request may join or be cancelled between any two steps.
+
+One `step` is one engine iteration: admit waiting requests into free slots, run AT MOST ONE
+prefill chunk (one sequence's next <= largest-prefill-bucket prompt tokens), then one decode
+token for every sequence past its prompt. So a running stream waits at most one chunk between
+two tokens however long a newcomer's prompt is, and a long prompt is prefilled over several
+iterations while the others decode.
+
+Static shapes rule here: every step is padded to a bucket, and padding points at the scratch
+slot (index max_seqs).
 """
 
 import time
@@ -21,15 +31,16 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int = 32
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks with fixed output lengths)
 
 
 @dataclass
 class Result:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "eos" | "max_tokens" | "context"
-    ttft: float = 0.0  # seconds from generate() to the first token
-    token_times: list[float] = field(default_factory=list)
+    finish_reason: str = ""  # "eos" | "max_tokens" | "context" | "cancelled"
+    ttft: float = 0.0  # seconds from submission to the first token
+    token_times: list[float] = field(default_factory=list)  # seconds from submission to each token
 
     @property
     def tpot(self) -> float:
@@ -38,13 +49,24 @@ class Result:
         return (self.token_times[-1] - self.token_times[0]) / gaps if gaps > 0 else 0.0
 
 
-@dataclass
-class _Sequence:
-    index: int
+@dataclass(eq=False)
+class Sequence:
+    """One submitted request as the engine tracks it: the handle front doors hold."""
+
     request: Request
     result: Result
-    slot: int
     generator: torch.Generator
+    submitted: float  # time.perf_counter() at submission
+    slot: int | None = None  # its row in the state pool, once admitted
+    prefilled: int = 0  # prompt tokens already in the cache
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.result.finish_reason)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.request.prompt_ids) and not self.finished
 
     @property
     def length(self) -> int:  # tokens in the cache once the last sampled token is fed back
@@ -59,6 +81,16 @@ class Engine:
         self.decode_buckets = sorted(decode_buckets)
         self.max_seqs, self.max_len, self.eos_id, self.vocab_size = max_seqs, max_len, eos_id, vocab_size
         self.scratch = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted: holding a slot, prefilling or decoding
+        self.free_slots = list(range(max_seqs))
+
+    @classmethod
+    def for_bundle(cls, executor) -> "Engine":
+        """The engine a loaded bundle's manifest describes."""
+        m = executor.manifest
+        return cls(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id,
+                   m.vocab_size)
 
     def check(self, request: Request):
         """Refuse what the compiled graphs cannot take: they index embeddings and the cache with
@@ -81,61 +113,86 @@ class Engine:
                 "Shorten the prompt or compile with a larger kv.max_len."
             )
 
+    def submit(self, request: Request, seed: int | None = None) -> Sequence:
+        """Queue a request (checked first); its sampling generator starts from `seed` (default: its own)."""
+        self.check(request)
+        generator = torch.Generator().manual_seed(request.sampling.seed if seed is None else seed)
+        seq = Sequence(request, Result(list(request.prompt_ids)), generator, time.perf_counter())
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence):
+        """Stop a sequence now; its slot is free for the next step."""
+        if seq.finished:
+            return
+        seq.result.finish_reason = "cancelled"
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._retire()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Sequence]:
+        """One iteration (see the module docstring). Returns the sequences that got a token or
+        finished, in the order they did."""
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            self.running.append(seq)
+        updated = []
+        prefilling = next((s for s in self.running if s.prefilled < len(s.request.prompt_ids)), None)
+        if prefilling is not None:
+            logits = self._prefill_chunk(prefilling)
+            if prefilling.decoding:  # its whole prompt is in: the first token
+                self._append(prefilling, logits)
+                updated.append(prefilling)
+        decoding = [s for s in self.running if s.decoding and s.result.token_ids and s not in updated]
+        if decoding:
+            self._decode(decoding)
+            updated += [s for s in decoding if s not in updated]
+        self._retire()
+        return updated
+
     def generate(self, requests: list[Request]) -> list[Result]:
+        """Run a list of requests to the end (sequence i samples from seed + i)."""
         for request in requests:
             self.check(request)
-        start = time.perf_counter()
-        waiting = deque(enumerate(requests))
-        free_slots = list(range(self.max_seqs))
-        active: list[_Sequence] = []
-        results: list[Result | None] = [None] * len(requests)
-        while waiting or active:
-            while waiting and free_slots:
-                index, request = waiting.popleft()
-                seq = _Sequence(index, request, Result(list(request.prompt_ids)), free_slots.pop(0),
-                                torch.Generator().manual_seed(request.sampling.seed + index))
-                logits = self._prefill(seq)
-                self._append(seq, logits, start)
-                active.append(seq)
-                self._retire(active, free_slots, results)  # its first token may already end it
-            if active:
-                self._decode(active, start)
-            self._retire(active, free_slots, results)
-        return results
+        seqs = [self.submit(r, r.sampling.seed + i) for i, r in enumerate(requests)]
+        while self.busy:
+            self.step()
+        return [s.result for s in seqs]
 
-    @staticmethod
-    def _retire(active: list[_Sequence], free_slots: list[int], results: list):
-        for seq in [s for s in active if s.result.finish_reason]:
-            active.remove(seq)
-            free_slots.append(seq.slot)
-            results[seq.index] = seq.result
+    def _retire(self):
+        for seq in [s for s in self.running if s.finished]:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
 
-    def _prefill(self, seq: _Sequence) -> torch.Tensor:
-        """Run the prompt in chunks: the largest bucket while more remains, then the smallest that fits."""
-        ids, done = seq.request.prompt_ids, 0
-        while done < len(ids):
-            remaining = len(ids) - done
-            bucket = next((b for b in self.prefill_buckets if b >= remaining), self.prefill_buckets[-1])
-            n = min(bucket, remaining)
-            pad = bucket - n
-            positions = list(range(done, done + n)) + [0] * pad
-            step = Step(
-                "prefill",
-                tokens=torch.tensor(ids[done : done + n] + [0] * pad),
-                positions=torch.tensor(positions),
-                slots=torch.tensor([seq.slot] * n + [self.scratch] * pad),
-                read_slot=torch.tensor([seq.slot]),
-                last_index=torch.tensor([n - 1]),
-            )
-            logits = self.executor.run(step)
-            done += n
+    def _prefill_chunk(self, seq: Sequence) -> torch.Tensor:
+        """The prompt's next chunk: the largest bucket while more remains, then the smallest that fits."""
+        ids, done = seq.request.prompt_ids, seq.prefilled
+        remaining = len(ids) - done
+        bucket = next((b for b in self.prefill_buckets if b >= remaining), self.prefill_buckets[-1])
+        n = min(bucket, remaining)
+        pad = bucket - n
+        step = Step(
+            "prefill",
+            tokens=torch.tensor(ids[done : done + n] + [0] * pad),
+            positions=torch.tensor(list(range(done, done + n)) + [0] * pad),
+            slots=torch.tensor([seq.slot] * n + [self.scratch] * pad),
+            read_slot=torch.tensor([seq.slot]),
+            last_index=torch.tensor([n - 1]),
+        )
+        logits = self.executor.run(step)
+        seq.prefilled += n
         return logits[0]
 
-    def _decode(self, active: list[_Sequence], start: float):
-        """One token for every active sequence, in groups of at most the largest decode bucket."""
+    def _decode(self, seqs: list[Sequence]):
+        """One token for every given sequence, in groups of at most the largest decode bucket."""
         largest = self.decode_buckets[-1]
-        for lo in range(0, len(active), largest):
-            group = active[lo : lo + largest]
+        for lo in range(0, len(seqs), largest):
+            group = seqs[lo : lo + largest]
             bucket = next(b for b in self.decode_buckets if b >= len(group))
             pad = bucket - len(group)
             step = Step(
@@ -146,17 +203,17 @@ class Engine:
             )
             logits = self.executor.run(step)
             for row, seq in enumerate(group):
-                self._append(seq, logits[row], start)
+                self._append(seq, logits[row])
 
-    def _append(self, seq: _Sequence, logits: torch.Tensor, start: float):
+    def _append(self, seq: Sequence, logits: torch.Tensor):
         token = int(sample(logits[None], seq.request.sampling, seq.generator)[0])
         result = seq.result
         result.token_ids.append(token)
-        now = time.perf_counter() - start
+        now = time.perf_counter() - seq.submitted
         result.token_times.append(now)
         if len(result.token_ids) == 1:
             result.ttft = now
-        if token == self.eos_id:
+        if token == self.eos_id and not seq.request.ignore_eos:
             result.finish_reason = "eos"
         elif len(result.token_ids) >= seq.request.max_tokens:
             result.finish_reason = "max_tokens"

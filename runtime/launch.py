@@ -82,8 +82,11 @@ class Leader:
     descriptor of an already unlinked file and write their output to unnamed temporary files:
     nothing of the job is left in /dev/shm or the temp dir, however it ends."""
 
-    def __init__(self, bundle: Path, torchrun: bool = False, verify_key_file: Path | None = None):
+    def __init__(self, bundle: Path, torchrun: bool = False, verify_key_file: Path | None = None, on_failure=None):
+        """`on_failure(message)`, called on the watchdog thread once the followers are killed, replaces
+        the default exit(1) when a follower dies (the server fails its requests first)."""
         self.bundle = Path(bundle)
+        self.on_failure = on_failure
         self.followers: list[subprocess.Popen] = []
         self.logs: list = []  # each follower's unnamed output file
         self.stopping = False
@@ -155,11 +158,13 @@ class Leader:
 
     def _fail(self, rank: int, code: int):
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        sys.stderr.write(f"deepinfer-run: rank {rank} (pid {self.followers[rank - 1].pid}) {how}; the job stops.\n"
-                         f"rank {rank}'s last words:\n{self.last_words(rank)}\n")
+        what = f"rank {rank} (pid {self.followers[rank - 1].pid}) {how}"
+        sys.stderr.write(f"deepinfer: {what}; the job stops.\nrank {rank}'s last words:\n{self.last_words(rank)}\n")
         sys.stderr.flush()
         self.shutdown(kill=True)
-        os._exit(1)
+        if self.on_failure is None:
+            os._exit(1)
+        self.on_failure(what)
 
     def run(self, step: Step):
         self.ring.write(self.step_id, encode(step, self.max_bucket))

@@ -5,6 +5,7 @@ A bundle is a directory:
     regions/<fingerprint>.<ext>   one compiled artifact per unique region (no weights inside)
     weights/rank-<r>.safetensors  every graph input that is a weight or buffer, per rank
     tokenizer.json                when the model has one (else the byte-level tokenizer)
+    chat_template.json            when the checkpoint has a chat template (deepinfer-serve's chat)
 
 Compatibility rules (as ExecuTorch's schema): add fields at the end with a default; never remove
 a field or change its meaning; any other change bumps SCHEMA_VERSION, and a runtime refuses a
@@ -108,6 +109,7 @@ class Manifest:
     magic: str = MAGIC
     schema_version: int = SCHEMA_VERSION
     state: list[list[StateTensor]] | None = None  # per layer; None in bundles that only have `kv`
+    chat_template: str | None = None  # relative path of chat_template.json, when the checkpoint has a template
 
     def state_tensors(self) -> dict[str, TensorSpec]:
         """Every state tensor the runtime allocates, by the name programs use."""
@@ -218,7 +220,7 @@ def check_manifest(m: Manifest, where: str):
                                                 or step.collective.get("group") not in ("world", "tp") or world == 1
                                                 or step.collective.get("hierarchical") and not node):
                 bad(f"program {key} runs a collective {step.collective!r} this {world}-rank bundle cannot have")
-    referenced = [r.file for r in m.regions.values()] + m.weight_files + ([m.tokenizer] if m.tokenizer else [])
+    referenced = [r.file for r in m.regions.values()] + m.weight_files + [f for f in (m.tokenizer, m.chat_template) if f]
     for rel in list(m.files) + referenced:
         if not _inside(rel):
             bad(f"file {rel!r} is not a plain relative path inside the bundle")

@@ -14,7 +14,7 @@ class ByteTokenizer:
         if vocab_size < 256 + self.OFFSET:
             raise DeepinferError(f"the byte-level tokenizer needs vocab_size >= {256 + self.OFFSET}, not {vocab_size}; add a tokenizer.json.")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # (it has none)
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
@@ -31,8 +31,9 @@ class HFTokenizer:
         except Exception as err:  # the tokenizers library raises a bare Exception on bad files
             raise DeepinferError(f"{path}: cannot read tokenizer ({err}).") from None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False` for text that already has them (a rendered chat template)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from deepinfer.compiler.bisect import Bisector, bisect
@@ -25,9 +24,7 @@ def faulty(tmp_path, ops, action, name="faulty"):
 
 
 def tokens(bundle):
-    executor = BundleExecutor(bundle)
-    m = executor.manifest
-    engine = Engine(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id)
+    engine = Engine.for_bundle(BundleExecutor(bundle))
     return [r.token_ids for r in engine.generate([Request([5, 6, 7], 8), Request(list(range(20, 40)), 8)])]
 
 

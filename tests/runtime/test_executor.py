@@ -20,7 +20,7 @@ def same_tokens_as_eager(bundle):
     m = executor.manifest
     model = build_model(m.recipe["model"]["arch"], config=m.model_config, seed=m.recipe["model"]["seed"])
     reference = eager_engine(model, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len)
-    compiled = Engine(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id)
+    compiled = Engine.for_bundle(executor)
     # 7 prompts over 4 slots and decode buckets [1, 4]: prefill chunks of 64 and 16, full and
     # padded decode batches, and slots reused by queued prompts.
     for batch in (PROMPTS[:1], PROMPTS[:3], PROMPTS):

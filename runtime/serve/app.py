@@ -1,0 +1,351 @@
+"""The HTTP front door on Starlette: OpenAI's /v1/completions, /v1/chat/completions and
+/v1/models, plus /health and /metrics. It knows requests, text and tokens; the engine thread
+knows steps. Every error is OpenAI's error object with the status it deserves."""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine import Request
+from ..errors import DeepinferError
+from ..tokenizer import load_tokenizer
+from .chat import ChatTemplate
+from .engine_thread import EngineThread, Failed, Handle
+from .metrics import Metrics
+from .protocol import APIError, Generation, bad, message_text, parse_chat, parse_completion
+from .text import TextStream
+
+MAX_BODY_BYTES = 4 << 20
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length"}
+
+
+class OpenAIServer:
+    """State the routes share. `open_executor()` loads the bundle on the engine thread;
+    `request_exit()` asks the HTTP server to stop (set by the command line)."""
+
+    def __init__(self, open_executor, model_name: str, max_queue: int, api_key: str | None = None):
+        self.open_executor, self.model_name, self.max_queue, self.api_key = open_executor, model_name, max_queue, api_key
+        self.metrics = Metrics()
+        self.engine_thread: EngineThread | None = None
+        self.engine = None  # once loaded
+        self.tokenizer = self.chat_template = None
+        self.inflight = 0  # prompts admitted and not yet answered
+        self.draining = False
+        self.failure: str | None = None
+        self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
+        self.request_exit = lambda: None
+        self.app = Starlette(
+            routes=[Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
+                    Route("/v1/chat/completions", self._counted("chat", self.chat), methods=["POST"]),
+                    Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics_page)],
+            exception_handlers={APIError: _api_error, HTTPException: _http_error},
+            lifespan=self._lifespan)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self.loop = asyncio.get_running_loop()
+        self.engine_thread = EngineThread(self._load, asyncio.get_running_loop(), self.metrics,
+                                          on_ready=self._ready, on_fatal=self._fatal)
+        self.engine_thread.start()
+        yield
+        self.engine_thread.stop(timeout=60)
+
+    def _load(self):
+        """On the engine thread: the executor, the tokenizer and the chat template."""
+        executor = self.open_executor()
+        m, bundle = executor.manifest, executor.bundle
+        self.tokenizer = load_tokenizer(bundle if m.tokenizer else None, m.vocab_size)
+        self.chat_template = ChatTemplate.of_bundle(bundle / m.chat_template if m.chat_template else None)
+        return executor
+
+    def _ready(self, engine):
+        self.engine = engine
+
+    def _fatal(self, message: str):
+        self.failure = message
+        self.request_exit()  # (the command line prints the message)
+
+    async def drain(self, grace: float):
+        """Stop admitting (503), give in-flight requests `grace` seconds, cancel the rest, exit."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self.inflight and time.monotonic() < deadline and self.failure is None:
+            await asyncio.sleep(0.05)
+        for handle in list(self.engine_thread.live):
+            self.engine_thread.cancel(handle)  # their clients get a 503 error event
+        while self.inflight and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.05)
+        self.request_exit()
+
+    # --- endpoints ---------------------------------------------------------------------------
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
+        body = await _json_body(request)
+        generation = parse_completion(body)
+        self._check_model(body)
+        self._check_available()
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in generation.prompts]
+        return await self._respond(request, generation, prompts, chat=False)
+
+    async def chat(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
+        body = await _json_body(request)
+        generation = parse_chat(body)
+        self._check_model(body)
+        self._check_available()
+        try:
+            text = self.chat_template.render([message_text(m) for m in generation.prompts[0]])
+        except ValueError as err:
+            raise bad("messages", str(err)) from None
+        return await self._respond(request, generation, [self.tokenizer.encode(text, add_special_tokens=False)], chat=True)
+
+    async def models(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "deepinfer"}
+        if self.engine is not None:
+            card["max_model_len"] = self.engine.max_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: HTTPRequest) -> Response:
+        if self.failure is not None:
+            return JSONResponse({"status": "failed", "message": self.failure}, status_code=503)
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if self.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_page(self, request: HTTPRequest) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _counted(self, name: str, endpoint):
+        async def counted(request: HTTPRequest) -> Response:
+            try:
+                response = await endpoint(request)
+            except APIError as err:
+                self.metrics.requests.labels(name, str(err.status)).inc()
+                raise
+            self.metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+        return counted
+
+    def _authorize(self, request: HTTPRequest):
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "Incorrect API key provided: send it as the header 'Authorization: Bearer <key>' "
+                                "(the server's --api-key).", code="invalid_api_key")
+
+    def _check_model(self, body: dict):
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model {model!r} does not exist: this server serves {self.model_name!r}.",
+                           param="model", code="model_not_found")
+
+    def _check_available(self):
+        if self.failure is not None:
+            raise APIError(503, f"the engine is gone ({self.failure}); the server is stopping.")
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests.")
+        if self.engine is None:
+            raise APIError(503, "the model is still loading; retry when GET /health answers 200.",
+                           headers={"Retry-After": "1"})
+
+    def _requests(self, generation: Generation, prompts: list[list[int]], param: str) -> list[Request]:
+        requests = []
+        max_len = self.engine.max_len
+        for ids in prompts:
+            # The last token sampled needs no cache position: up to max_len - n + 1 tokens fit.
+            room = max_len - len(ids) + 1
+            max_tokens = room if generation.max_tokens is None else generation.max_tokens
+            request = Request(ids, max_tokens, generation.sampling, generation.ignore_eos)
+            try:
+                self.engine.check(request)
+            except DeepinferError as err:
+                code = "context_length_exceeded" if len(ids) >= max_len else None
+                raise APIError(400, str(err), param=param, code=code) from None
+            if max_tokens > room:
+                raise APIError(400, f"max_tokens={max_tokens} does not fit: a prompt of {len(ids)} tokens leaves room for "
+                                    f"at most {room} in this model's context of {max_len} positions.",
+                               param="max_tokens", code="context_length_exceeded")
+            requests.append(request)
+        return requests
+
+    async def _respond(self, http: HTTPRequest, generation: Generation, prompts: list[list[int]], chat: bool) -> Response:
+        requests = self._requests(generation, prompts, "messages" if chat else "prompt")
+        capacity = self.engine.max_seqs + self.max_queue
+        if self.inflight + len(requests) > capacity:
+            raise APIError(429, f"the server is at capacity ({self.engine.max_seqs} running and {self.max_queue} queued "
+                                "requests); retry later.", headers={"Retry-After": "1"})
+        events: asyncio.Queue = asyncio.Queue()
+        handles = [Handle(r, generation.sampling.seed + i, events, i) for i, r in enumerate(requests)]
+        self.inflight += len(handles)
+        for handle in handles:
+            self.engine_thread.submit(handle)
+        reply = _Reply(self, generation, handles, chat)
+        if generation.stream:
+            return StreamingResponse(reply.stream(), media_type="text/event-stream")
+        return JSONResponse(await reply.whole(http))
+
+
+class _Reply:
+    """One HTTP request's answer, built from its prompts' token events."""
+
+    def __init__(self, server: OpenAIServer, generation: Generation, handles: list[Handle], chat: bool):
+        self.server, self.generation, self.handles, self.chat = server, generation, handles, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+        self.texts = [""] * len(handles)
+        self.token_ids: list[list[int]] = [[] for _ in handles]
+        self.finish: list[str | None] = [None] * len(handles)
+
+    async def updates(self):
+        """(index, new text, new token ids, finish_reason or None) as the engine produces them.
+        Leaving early (a client gone, an error) cancels what is still running."""
+        streams = [TextStream(self.server.tokenizer, self.generation.stop) for _ in self.handles]
+        pending = set(range(len(self.handles)))
+        events = self.handles[0].events
+        try:
+            while pending:
+                event = await events.get()
+                if isinstance(event, Failed):
+                    raise APIError(503, f"the engine is gone: {event.message}")
+                if event.index not in pending:
+                    continue  # (a prompt already ended by a stop string: its cancellation)
+                i, stream = event.index, streams[event.index]
+                text = "".join(stream.add(t) for t in event.token_ids)
+                finish = event.finish_reason
+                if stream.stopped:
+                    finish = "stop"
+                elif finish == "cancelled":
+                    raise APIError(503, "the server is shutting down: this request was cancelled.")
+                new_ids = event.token_ids
+                if finish:
+                    text += stream.finish()
+                    pending.discard(i)
+                if stream.stopped:
+                    self.server.engine_thread.cancel(self.handles[i])
+                self.texts[i] += text
+                self.token_ids[i] += new_ids
+                self.finish[i] = FINISH_REASONS[finish] if finish else None
+                yield i, text, new_ids, self.finish[i]
+        finally:
+            for i in pending:
+                self.server.engine_thread.cancel(self.handles[i])
+            for handle in self.handles:
+                self.server.engine_thread.finished(handle)
+            self.server.inflight -= len(self.handles)
+
+    async def whole(self, http: HTTPRequest) -> dict:
+        """The non-streaming answer; a client that disconnects meanwhile cancels it."""
+        async def consume():
+            async for _ in self.updates():
+                pass
+
+        work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            return {}
+        work.result()  # raises the APIError of a failed engine
+        choices = [self._choice(i, self.texts[i], self.token_ids[i], self.finish[i], whole=True)
+                   for i in range(len(self.handles))]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_name,
+                "choices": choices, "usage": self._usage()}
+
+    async def stream(self):
+        """Server-sent events: chunks, then (stream_options.include_usage) usage, then [DONE]."""
+        usage = {"usage": None} if self.generation.include_usage else {}
+        if self.chat:
+            yield _event(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}], usage))
+        try:
+            async for i, text, ids, finish in self.updates():
+                if text or finish or (ids and self.generation.return_token_ids):
+                    yield _event(self._chunk([self._choice(i, text, ids, finish, whole=False)], usage))
+        except APIError as err:
+            yield _event(err.body())
+        else:
+            if self.generation.include_usage:
+                yield _event(self._chunk([], {"usage": self._usage()}))
+        yield "data: [DONE]\n\n"
+
+    def _choice(self, i: int, text: str, ids: list[int], finish: str | None, whole: bool) -> dict:
+        if self.chat:
+            content = {"role": "assistant", "content": text} if whole else {"content": text}
+            choice = {"index": i, "message" if whole else "delta": content, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.generation.return_token_ids:
+            choice["token_ids"] = ids
+            if whole:
+                choice["prompt_token_ids"] = self.handles[i].request.prompt_ids
+        return choice
+
+    def _chunk(self, choices: list, extra: dict) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name,
+                "choices": choices, **extra}
+
+    def _usage(self) -> dict:
+        prompt = sum(len(h.request.prompt_ids) for h in self.handles)
+        completion = sum(len(ids) for ids in self.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(http: HTTPRequest):
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _json_body(request: HTTPRequest) -> dict:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body of {int(length)} bytes is over this server's limit of {MAX_BODY_BYTES}.")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over this server's limit of {MAX_BODY_BYTES} bytes.")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object.")
+    return body
+
+
+async def _api_error(request: HTTPRequest, err: APIError) -> Response:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _http_error(request: HTTPRequest, err: HTTPException) -> Response:
+    what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return JSONResponse(APIError(err.status_code, what.get(err.status_code, err.detail)).body(), status_code=err.status_code,
+                        headers=err.headers)

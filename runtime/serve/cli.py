@@ -1,0 +1,98 @@
+"""deepinfer-serve: an OpenAI-compatible HTTP server over a bundle.
+
+    deepinfer-serve --bundle artifacts/tiny --port 8000
+    deepinfer-serve --bundle artifacts/tiny-ws2 --api-key sk-local --max-queue 32
+    torchrun --nproc-per-node 2 -m deepinfer.runtime.serve.cli --bundle artifacts/tiny-ws2
+
+The port is bound first (--port 0 takes any free one; the line "listening on http://HOST:PORT"
+says which), then the bundle loads on the engine thread while /health answers 503. A multi-rank
+bundle serves from rank 0, which spawns and feeds its followers as deepinfer-run does.
+
+SIGTERM or Ctrl-C: new requests get 503, in-flight ones get --grace seconds to finish (the rest
+end with a 503 error event), then the followers stop and the process exits 0. A second signal
+stops at once. A rank that dies fails every in-flight request with a 503 and exits 1.
+"""
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import DeepinferError
+from ..manifest import peek_world_size
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="deepinfer", prog_name="deepinfer-serve")
+@click.option("--bundle", required=True, type=click.Path(file_okay=False), help="bundle directory from deepinfer-compile")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
+              help="requests that may wait for a sequence slot; past that, 429")
+@click.option("--api-key", envvar="DEEPINFER_API_KEY", help="require 'Authorization: Bearer KEY' on /v1 (or DEEPINFER_API_KEY)")
+@click.option("--served-model-name", help="the model id clients send  [default: the bundle's recipe name]")
+@click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="seconds in-flight requests get to finish after SIGTERM")
+@click.option("--verify-key", type=click.Path(dir_okay=False),
+              help="deploy key file: refuse the bundle unless its signature (deepinfer-compile --sign-key) matches")
+def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verify_key):
+    """Serve a compiled bundle over OpenAI's HTTP API."""
+    try:
+        import uvicorn
+
+        from .app import OpenAIServer
+        from .server import DrainingServer
+    except ImportError as err:
+        raise click.ClickException(f"deepinfer-serve needs the serve extra ({err.name} is missing): "
+                                   "pip install 'deepinfer[serve]'") from None
+    from ..cli import open_bundle
+
+    bundle = Path(bundle)
+    verify_key = Path(verify_key) if verify_key else None
+    under_torchrun = "RANK" in os.environ and "DEEPINFER_RING_FD" not in os.environ
+    if under_torchrun and int(os.environ["RANK"]) > 0:
+        from ..follower import run_follower
+
+        return run_follower(bundle, verify_key)
+    try:
+        peek_world_size(bundle)  # a wrong path or a foreign directory fails here, before the port is taken
+    except DeepinferError as err:
+        raise click.ClickException(str(err)) from None
+    name = served_model_name or _recipe_name(bundle)
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as err:
+        raise click.ClickException(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port "
+                                   "(0 takes any free one).") from None
+
+    api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, verify_key, on_failure=lambda m: api.engine_thread.fail(m)),
+                       name, max_queue, api_key)
+    server = DrainingServer(uvicorn.Config(api.app, log_level="warning", lifespan="on"), api, grace)
+    click.echo(f"deepinfer-serve: listening on http://{host}:{sock.getsockname()[1]} (model {name!r}; loading {bundle})",
+               err=True)
+    server.run(sockets=[sock])
+    if api.failure is not None:
+        click.echo(f"deepinfer-serve: {api.failure}", err=True)
+    code = 1 if api.failure is not None else 0
+    engine_thread = api.engine_thread
+    if engine_thread is not None and engine_thread.thread.is_alive():  # a forced stop, or a step stuck on a dead rank
+        if hasattr(engine_thread.executor, "shutdown"):
+            engine_thread.executor.shutdown(kill=True)  # kill and reap the followers now
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _recipe_name(bundle: Path) -> str:
+    import json
+
+    try:
+        return json.loads((bundle / "manifest.json").read_text())["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return bundle.name
+
+
+if __name__ == "__main__":
+    main()

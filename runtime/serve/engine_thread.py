@@ -1,0 +1,163 @@
+"""The engine on its own thread, and the bridge to the server's event loop.
+
+Steps are blocking torch calls (and, multi-rank, collectives), so the engine runs on one thread
+that owns it outright: the event loop never touches it, it only posts commands (submit, cancel,
+stop) to an inbox the thread drains between steps, and receives each sequence's new tokens as
+events on that request's asyncio queue. So a request joins, and a cancel (a client gone, a stop
+string seen) takes effect, at the next step boundary.
+"""
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+
+from ..engine import Engine, Request, Sequence
+from ..errors import DeepinferError
+
+
+@dataclass
+class Tokens:
+    """New tokens of one prompt (`index` within its HTTP request); `finish_reason` once it ended."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class Failed:
+    """The engine is gone (a rank died, a step raised): no more tokens for anyone."""
+
+    message: str
+
+
+@dataclass(eq=False)
+class Handle:
+    """One submitted prompt as the event loop sees it."""
+
+    request: Request
+    seed: int
+    events: asyncio.Queue
+    index: int
+    seq: Sequence | None = None  # set on the engine thread
+    posted: int = 0  # tokens already posted
+
+
+class EngineThread:
+    def __init__(self, load, loop: asyncio.AbstractEventLoop, metrics, on_ready, on_fatal):
+        """`load()` opens the bundle's executor (on the engine thread, so the server answers
+        /health meanwhile); then `on_ready(engine)` is called on the event loop, or once the
+        engine is gone, `on_fatal(message)`."""
+        self.load, self.loop, self.metrics, self.on_ready, self.on_fatal = load, loop, metrics, on_ready, on_fatal
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine: Engine | None = None  # set once loaded
+        self.executor = None
+        self.failed: str | None = None
+        self.handles: list[Handle] = []  # submitted and not finished, as the engine thread knows them
+        self.live: set[Handle] = set()  # submitted and not yet seen to finish, as the event loop knows them
+        self.thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+
+    # --- the event loop's side -------------------------------------------------------------
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, handle: Handle):
+        self.live.add(handle)
+        self.inbox.put(("submit", handle))
+
+    def cancel(self, handle: Handle):
+        """Stop a prompt that is still live (a finished one is left alone)."""
+        if handle in self.live:
+            self.live.discard(handle)
+            self.inbox.put(("cancel", handle))
+
+    def finished(self, handle: Handle):
+        """The event loop saw `handle`'s last event."""
+        self.live.discard(handle)
+
+    def stop(self, timeout: float):
+        """Finish the current step, stop the followers, end the thread (waits up to `timeout`)."""
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout)
+
+    def fail(self, message: str):
+        """Called from any thread when the engine cannot go on (e.g. the leader saw a rank die)."""
+        self.loop.call_soon_threadsafe(self._failed, message)
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def _run(self):
+        try:
+            self.executor = self.load()
+            self.engine = Engine.for_bundle(self.executor)
+        except DeepinferError as err:
+            self.fail(str(err))
+            return
+        self.loop.call_soon_threadsafe(self.on_ready, self.engine)
+        self.metrics.free_slots.set(self.engine.max_seqs)
+        try:
+            while self._take_commands():
+                if self.engine.busy:
+                    self._post(self.engine.step())
+                self._publish()
+        except Exception as err:  # a step that raised: every request fails, the server stops
+            self.fail(f"the engine stopped: {err}")
+            if hasattr(self.executor, "shutdown"):
+                self.executor.shutdown(kill=True)  # followers may wait in a collective this rank left
+            return
+        if hasattr(self.executor, "shutdown"):  # a multi-rank leader: stop the followers
+            self.executor.shutdown()
+
+    def _take_commands(self) -> bool:
+        """Apply every waiting command (waiting for one while idle); False once told to stop."""
+        block = not self.engine.busy
+        while True:
+            try:
+                command, handle = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                if block and self.failed is None:
+                    continue
+                return self.failed is None
+            block = False
+            if command == "stop":
+                return False
+            if command == "submit":
+                handle.seq = self.engine.submit(handle.request, handle.seed)
+                self.handles.append(handle)
+                self.metrics.prompt_tokens.inc(len(handle.request.prompt_ids))
+            elif handle.seq is not None:
+                self.engine.cancel(handle.seq)
+                self._post([handle.seq])
+
+    def _post(self, updated: list[Sequence]):
+        for handle in [h for h in self.handles if h.seq in updated]:
+            result = handle.seq.result
+            new = result.token_ids[handle.posted :]
+            if handle.posted == 0 and new:
+                self.metrics.ttft.observe(result.ttft)
+            handle.posted = len(result.token_ids)
+            self.metrics.generation_tokens.inc(len(new))
+            finish = result.finish_reason or None
+            if finish:
+                self.handles.remove(handle)
+                if len(result.token_ids) > 1:
+                    self.metrics.tpot.observe(result.tpot)
+            self.loop.call_soon_threadsafe(handle.events.put_nowait, Tokens(handle.index, new, finish))
+
+    def _publish(self):
+        self.metrics.running.set(len(self.engine.running))
+        self.metrics.waiting.set(len(self.engine.waiting))
+        self.metrics.free_slots.set(len(self.engine.free_slots))
+
+    # --- back on the event loop --------------------------------------------------------------
+
+    def _failed(self, message: str):
+        if self.failed is not None:
+            return
+        self.failed = message
+        for handle in self.live:
+            handle.events.put_nowait(Failed(message))
+        self.live.clear()
+        self.on_fatal(message)

@@ -1,0 +1,25 @@
+"""Prometheus metrics for /metrics, in a registry of their own (one per server)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("deepinfer_requests", "HTTP requests to /v1, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "prompt tokens submitted to the engine", registry=r)
+        self.generation_tokens = Counter("deepinfer_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "submission to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("deepinfer_time_per_output_token_seconds", "mean time per token after the first, per sequence",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.waiting = Gauge("deepinfer_queue_length", "requests waiting for a sequence slot", registry=r)
+        self.running = Gauge("deepinfer_running_sequences", "sequences holding a slot (prefilling or decoding)", registry=r)
+        self.free_slots = Gauge("deepinfer_free_kv_slots", "sequence slots of the state pool that are free", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,163 @@
+"""OpenAI's request and response shapes: parse a request body into what the engine needs,
+refusing (APIError, naming the parameter) anything out of range or not built. A parameter we do
+not implement is accepted only at the value that asks for nothing (n=1, logprobs null, ...)."""
+
+import math
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+# Parameters we do not build, and the one value each may take (what asking for nothing looks like).
+NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
+           "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+           "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+           "response_format": (None, {"type": "text"})}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
+          "ignore_eos", "return_token_ids"}  # (the last two are vLLM's extensions)
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Generation:
+    """What a completions or chat request asks the engine for (prompts are text or token ids)."""
+
+    prompts: list  # of str or list[int]
+    max_tokens: int | None  # None: up to the context limit
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def parse_completion(body: dict) -> Generation:
+    _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _is_ids(prompt) and prompt:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad("prompt", "give a string, a list of strings, a list of token ids, or a list of such lists "
+                            "(none of them empty).")
+    return _generation(body, prompts, _optional_int(body, "max_tokens", 16))
+
+
+def parse_chat(body: dict) -> Generation:
+    _check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "give a non-empty list of {\"role\", \"content\"} objects.")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad(f"messages[{i}]", "each message is an object with a string \"role\".")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise bad(f"messages[{i}].content", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content", "give a string or a list of text parts.")
+    limit = _optional_int(body, "max_completion_tokens", None)
+    return _generation(body, [messages], _optional_int(body, "max_tokens", limit))
+
+
+def message_text(message: dict) -> dict:
+    """A chat message with its content parts joined into one string (what templates expect)."""
+    content = message["content"]
+    if isinstance(content, list):
+        content = "".join(part["text"] for part in content)
+    return {**message, "content": content}
+
+
+def _generation(body: dict, prompts: list, max_tokens: int | None) -> Generation:
+    if max_tokens is not None and max_tokens < 1:
+        raise bad("max_tokens", f"{max_tokens} is not a number of tokens to generate: give 1 or more.")
+    temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= 2:
+        raise bad("temperature", f"{temperature} is outside [0, 2].")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad("top_p", f"{top_p} is outside (0, 1].")
+    seed = body.get("seed")
+    if seed is None:
+        import secrets
+
+        seed = secrets.randbits(63)
+    elif not _is_int(seed) or not 0 <= seed < 1 << 63:
+        raise bad("seed", f"{seed!r}: give an integer in [0, 2**63).")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", "give a non-empty string or a list of at most 4 of them.")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise bad("stream_options", "only {\"include_usage\": true|false} is supported.")
+    return Generation(prompts, max_tokens, SamplingParams(temperature, top_p, seed), stop,
+                      stream=_flag(body, "stream"), include_usage=bool((options or {}).get("include_usage")),
+                      ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"))
+
+
+def _check_fields(body: dict, allowed: set):
+    for name, value in body.items():
+        if name in NEUTRAL:
+            if not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
+                raise bad(name, f"{value!r} is not supported by this server (only {NEUTRAL[name][0]!r}).")
+        elif name not in allowed:
+            raise bad(name, "unknown or unsupported parameter.")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+def _optional_int(body: dict, name: str, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad(name, f"{value!r}: give an integer.")
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(name, f"{value!r}: give a finite number.")
+    return float(value)
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(name, f"{value!r}: give true or false.")
+    return value

@@ -12,7 +12,7 @@ import pytest
 from deepinfer.compiler.build import compile_recipe, plan
 from deepinfer.compiler.cache import CompileCache
 from deepinfer.compiler.recipe import load_recipe
-from tests.conftest import TINY_RECIPE, write_recipe
+from tests.conftest import INDUCTOR_METHODS, write_recipe
 
 SMALL = {"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}}  # 8 regions, 2 of them hold aten.sigmoid
 
@@ -52,12 +52,13 @@ def test_a_tampered_cache_entry_is_recompiled_not_shipped(tmp_path):
 
 def test_inductor_artifacts_are_reproducible(tiny_bundle, cache_dir, tmp_path):
     tiny_bundle("inductor")  # every region compiled once into the session cache
-    the_plan = plan(load_recipe(TINY_RECIPE))
+    recipe = load_recipe(write_recipe(tmp_path, methods=INDUCTOR_METHODS), backend="inductor")
+    the_plan = plan(recipe)
     smallest = min(the_plan.regions, key=lambda fp: len(the_plan.regions[fp].graph.nodes))
     from deepinfer.compiler.build import Plan, compile_regions
 
     one = Plan(**{**the_plan.__dict__, "regions": {smallest: the_plan.regions[smallest]}})
-    fresh, _ = compile_regions(load_recipe(TINY_RECIPE), one, CompileCache(tmp_path / "fresh"), 1, 900, False)
+    fresh, _ = compile_regions(recipe, one, CompileCache(tmp_path / "fresh"), 1, 900, False)
     assert fresh[smallest].read_bytes() == CompileCache(cache_dir).get(smallest).read_bytes()
 
 

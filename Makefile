@@ -1,12 +1,13 @@
 # make demo   set up, compile the tiny recipe with AOTInductor and the tiny V4 one with export, generate from both
 # make test   set up, then run the whole suite
+# make serve  serve artifacts/tiny (compiled first if absent) over OpenAI's HTTP API on 127.0.0.1:8000
 # make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
 VENV := .venv
 PY := $(VENV)/bin/python
 
 PIP_TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compile-all
+.PHONY: setup demo test serve compile-all
 
 setup: $(VENV)/.installed
 
@@ -14,7 +15,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q $(PIP_TORCH)
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[serve,test]'
 	touch $@
 
 demo: setup
@@ -25,6 +26,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+serve: setup
+	test -f artifacts/tiny/manifest.json || $(VENV)/bin/deepinfer-compile recipes/tiny.yaml
+	$(VENV)/bin/deepinfer-serve --bundle artifacts/tiny
 
 compile-all: setup
 	@status=0; for recipe in recipes/*.yaml; do \

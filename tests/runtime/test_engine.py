@@ -82,3 +82,19 @@ def test_bad_requests_are_refused_at_the_door(model, request_, message):
     engine.vocab_size = model.config.vocab_size
     with pytest.raises(DeepinferError, match=message):
         engine.generate([request_])
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
+    engine = eager_engine(model, prefill_buckets=(8, 16), decode_buckets=(1, 2), max_seqs=2, max_len=128)
+    running = engine.submit(Request([5, 6, 7], max_tokens=20))
+    assert engine.step() == [running]  # its prompt fits one chunk: first token
+    long = engine.submit(Request(list(range(20, 60)), max_tokens=5))  # 40 tokens: chunks of 16, 16, 8
+    for _ in range(2):
+        assert engine.step() == [running] and long.prefilled in (16, 32)  # a token every iteration meanwhile
+    assert engine.step() == [long, running] and long.result.token_ids  # the last chunk, then both decode
+    engine.cancel(running)
+    assert running.result.finish_reason == "cancelled" and engine.free_slots == [running.slot]
+    while engine.busy:
+        engine.step()
+    alone, _ = greedy(model, list(range(20, 60)), 5)
+    assert long.result.token_ids == alone[: len(long.result.token_ids)] and long.result.finish_reason in ("max_tokens", "eos")

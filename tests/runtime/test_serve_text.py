@@ -1,0 +1,65 @@
+"""The server's text pieces on their own: incremental detokenization with stop strings, chat
+templates from a checkpoint's files."""
+
+import json
+
+import pytest
+
+from deepinfer.compiler.tokenizer_files import tokenizer_files
+from deepinfer.runtime.serve.chat import ChatTemplate
+from deepinfer.runtime.serve.text import TextStream
+from deepinfer.runtime.tokenizer import ByteTokenizer
+
+TEXT = "héllo 😀 wörld, 日本 ok"
+
+
+def pieces(stop: list[str]) -> list[str]:
+    tokenizer = ByteTokenizer(320)
+    stream = TextStream(tokenizer, stop)
+    out = [stream.add(t) for t in tokenizer.encode(TEXT)]
+    return out + [stream.finish()]
+
+
+def test_multi_byte_characters_come_out_whole_and_once():
+    out = pieces([])
+    assert "".join(out) == TEXT
+    assert not any("\ufffd" in p for p in out)
+    assert "😀" in out  # its 4 bytes (4 tokens) came out as one piece
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (["😀 w"], "héllo "),  # a stop string across a 4-byte character and two more tokens
+    (["ld, 日"], "héllo 😀 wör"),
+    (["never", "ok"], "héllo 😀 wörld, 日本 "),
+    (["o"], "héll"),
+    (["xyz"], TEXT),
+])
+def test_stop_strings_are_cut_and_held_back_until_decided(stop, expected):
+    out = pieces(stop)
+    assert "".join(out) == expected
+    sent = ""
+    for piece in out[:-1]:  # nothing of a stop string is ever sent, even partly
+        sent += piece
+        assert expected.startswith(sent)
+
+
+def test_the_chat_template_comes_from_the_checkpoint(tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}],
+         "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    spec = json.loads(tokenizer_files(str(tmp_path))["chat_template.json"])
+    assert spec == {"template": template, "bos_token": "<s>", "eos_token": "</s>"}
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")  # a separate file wins
+    path = tmp_path / "chat_template.json"
+    path.write_bytes(tokenizer_files(str(tmp_path))["chat_template.json"])
+    assert ChatTemplate.of_bundle(path).render([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_the_default_template_and_a_template_that_refuses():
+    assert ChatTemplate.of_bundle(None).render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
+    with pytest.raises(ValueError, match="user first"):
+        strict.render([{"role": "system", "content": "x"}])
+    with pytest.raises(Exception, match="not allowed|unsafe|access"):  # the sandbox
+        ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}").render([])

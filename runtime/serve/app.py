@@ -200,8 +200,23 @@ class OpenAIServer:
             self.engine_thread.submit(handle)
         reply = _Reply(self, generation, handles, chat)
         if generation.stream:
-            return StreamingResponse(reply.stream(), media_type="text/event-stream")
+            return _EventStream(reply)
         return JSONResponse(await reply.whole(http))
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of a reply, which is closed however the response ends (a client that
+    left before the first event never starts the generator, whose own cleanup would not run)."""
+
+    def __init__(self, reply: "_Reply"):
+        super().__init__(reply.stream(), media_type="text/event-stream")
+        self.reply = reply
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.reply.close()
 
 
 class _Reply:
@@ -215,12 +230,25 @@ class _Reply:
         self.texts = [""] * len(handles)
         self.token_ids: list[list[int]] = [[] for _ in handles]
         self.finish: list[str | None] = [None] * len(handles)
+        self.pending = set(range(len(handles)))  # prompts not finished
+        self.closed = False
+
+    def close(self):
+        """Cancel what still runs and release the reply's place in the server (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        for i in self.pending:
+            self.server.engine_thread.cancel(self.handles[i])
+        for handle in self.handles:
+            self.server.engine_thread.finished(handle)
+        self.server.inflight -= len(self.handles)
 
     async def updates(self):
         """(index, new text, new token ids, finish_reason or None) as the engine produces them.
         Leaving early (a client gone, an error) cancels what is still running."""
         streams = [TextStream(self.server.tokenizer, self.generation.stop) for _ in self.handles]
-        pending = set(range(len(self.handles)))
+        pending = self.pending
         events = self.handles[0].events
         try:
             while pending:
@@ -247,11 +275,7 @@ class _Reply:
                 self.finish[i] = FINISH_REASONS[finish] if finish else None
                 yield i, text, new_ids, self.finish[i]
         finally:
-            for i in pending:
-                self.server.engine_thread.cancel(self.handles[i])
-            for handle in self.handles:
-                self.server.engine_thread.finished(handle)
-            self.server.inflight -= len(self.handles)
+            self.close()
 
     async def whole(self, http: HTTPRequest) -> dict:
         """The non-streaming answer; a client that disconnects meanwhile cancels it."""

@@ -14,6 +14,7 @@ stops at once. A rank that dies fails every in-flight request with a 503 and exi
 """
 
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -55,6 +56,10 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verif
     if under_torchrun and int(os.environ["RANK"]) > 0:
         from ..follower import run_follower
 
+        # torchrun passes SIGTERM to every rank: rank 0 drains and then sends the stop record, which
+        # a follower that left on the signal would never see (torchrun still SIGKILLs after its own timeout).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         return run_follower(bundle, verify_key)
     try:
         peek_world_size(bundle)  # a wrong path or a foreign directory fails here, before the port is taken

@@ -87,6 +87,8 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         all_ids = [tokenizer.encode(p) for p in prompts] + [parse_ids(p) for p in prompt_ids]
         results = engine.generate([Request(ids, max_tokens, sampling) for ids in all_ids])
     except DeepinferError as err:
+        if isinstance(err, CollectiveFailed) and isinstance(executor, Leader):
+            executor.check_followers()  # a dead rank is the better message (and exits 1)
         click.echo(f"deepinfer-run: {err}", err=True)
         if isinstance(err, CollectiveFailed):
             _stop_at_once(executor, err.exit_code)  # a stuck follower would not take a stop record

@@ -90,6 +90,7 @@ class Leader:
         self.followers: list[subprocess.Popen] = []
         self.logs: list = []  # each follower's unnamed output file
         self.stopping = False
+        self.failing = threading.Lock()  # taken once, by whoever reports a dead follower first
         self.watchdog: threading.Thread | None = None
         self.step_id = 0
         if not torchrun:
@@ -156,7 +157,18 @@ class Leader:
         size = os.fstat(fd).st_size
         return os.pread(fd, 2000, max(0, size - 2000)).decode(errors="replace").strip() or "(nothing)"
 
+    def check_followers(self):
+        """Report a follower that has ended, as the watchdog would: called when a collective failed,
+        which a dead peer causes before the watchdog's next look."""
+        for rank, process in enumerate(self.followers, start=1):
+            code = process.poll()
+            if code is not None:
+                self._fail(rank, code)
+                return
+
     def _fail(self, rank: int, code: int):
+        if not self.failing.acquire(blocking=False):
+            return
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         what = f"rank {rank} (pid {self.followers[rank - 1].pid}) {how}"
         sys.stderr.write(f"deepinfer: {what}; the job stops.\nrank {rank}'s last words:\n{self.last_words(rank)}\n")

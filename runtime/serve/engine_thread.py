@@ -103,6 +103,8 @@ class EngineThread:
                     self._post(self.engine.step())
                 self._publish()
         except Exception as err:  # a step that raised: every request fails, the server stops
+            if hasattr(self.executor, "check_followers"):
+                self.executor.check_followers()  # a dead rank, if that is why, is the message
             self.fail(f"the engine stopped: {err}")
             if hasattr(self.executor, "shutdown"):
                 self.executor.shutdown(kill=True)  # followers may wait in a collective this rank left

@@ -120,6 +120,12 @@ class Bisector:
         return result
 
     def run(self) -> Finding:
+        try:
+            return self._run()
+        finally:
+            self.workers.close()
+
+    def _run(self) -> Finding:
         start_time = time.perf_counter()
         n = len(self.sequence)
         signature = self.trial(0, n)

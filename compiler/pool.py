@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .zygote import ForkedProcess, Zygote
+
 
 @dataclass
 class Job:
@@ -29,9 +31,14 @@ class Job:
     log_file: Path
 
     @property
+    def worker_args(self) -> list[str]:
+        return [str(self.region_file), str(self.out_file), "--backend", self.backend,
+                "--options", json.dumps(self.options, sort_keys=True)]
+
+    @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "deepinfer.compiler.worker", str(self.region_file), str(self.out_file),
-                "--backend", self.backend, "--options", json.dumps(self.options, sort_keys=True)]
+        """The worker as a command of its own (what a report says to run to reproduce a job)."""
+        return [sys.executable, "-m", "deepinfer.compiler.worker", *self.worker_args]
 
 
 @dataclass
@@ -60,25 +67,28 @@ class JobResult:
 
 
 class Workers:
-    """The live worker processes of one run: on Ctrl-C (or any error) every one is killed with its
-    process group, and no new one starts. Each worker also dies with the compiler however the
-    compiler dies (it sets PR_SET_PDEATHSIG first thing, see worker.py), so `kill -9` leaves none behind."""
+    """The live worker processes of one run, forked by a zygote (zygote.py: torch imported once,
+    not once a job): on Ctrl-C (or any error) every one is killed with its process group, and no
+    new one starts. Workers die with the zygote and the zygote with the compiler, however the
+    compiler dies, so `kill -9` leaves none behind. `close()` when done."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.live: set[subprocess.Popen] = set()
+        self.live: set[ForkedProcess] = set()
         self.stopped = False
+        self.zygote: Zygote | None = None  # started with the first job
 
-    def start(self, command: list[str], log) -> subprocess.Popen | None:
+    def start(self, job: Job) -> ForkedProcess | None:
         with self.lock:
             if self.stopped:
                 return None
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       env={**os.environ, "DEEPINFER_COMPILER_PID": str(os.getpid())})
+            if self.zygote is None:
+                self.zygote = Zygote()
+            process = self.zygote.spawn(job.worker_args, str(job.log_file))
             self.live.add(process)
             return process
 
-    def done(self, process: subprocess.Popen):
+    def done(self, process: ForkedProcess):
         with self.lock:
             self.live.discard(process)
 
@@ -88,23 +98,29 @@ class Workers:
             for process in self.live:
                 _kill_group(process)
 
+    def close(self):
+        """Kill what still runs, and the zygote."""
+        self.kill_all()
+        with self.lock:
+            if self.zygote is not None:
+                self.zygote.close()
+                self.zygote = None
 
-def run_job(job: Job, timeout: float, workers: Workers | None = None) -> JobResult:
+
+def run_job(job: Job, timeout: float, workers: Workers) -> JobResult:
     """One worker to its end. A job that never started (the run was stopped) ends as a SIGINT."""
-    workers = workers or Workers()
     start = time.perf_counter()
-    with open(job.log_file, "wb") as log:
-        process = workers.start(job.command, log)
-        if process is None:
-            return JobResult(job, -signal.SIGINT, 0.0, "not started: the compile was interrupted")
-        try:
-            returncode = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(process)
-            process.wait()
-            returncode = None
-        finally:
-            workers.done(process)
+    process = workers.start(job)
+    if process is None:
+        return JobResult(job, -signal.SIGINT, 0.0, "not started: the compile was interrupted")
+    try:
+        returncode = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        process.wait()
+        returncode = None
+    finally:
+        workers.done(process)
     tail = job.log_file.read_bytes()[-4000:].decode(errors="replace")
     return JobResult(job, returncode, time.perf_counter() - start, tail, ok=returncode == 0 and job.out_file.is_file())
 
@@ -144,13 +160,13 @@ def run_jobs(jobs: list[Job], parallel: int, timeout: float, progress: bool = Tr
                 raise KeyboardInterrupt
             return [future.result() for future in futures]
     finally:
-        workers.kill_all()  # a no-op after a normal end
+        workers.close()  # (killing nothing after a normal end)
         pool.shutdown(wait=True, cancel_futures=True)
         if in_main:
             signal.signal(signal.SIGINT, previous)
 
 
-def _kill_group(process: subprocess.Popen):
+def _kill_group(process: ForkedProcess):
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -90,9 +90,10 @@ def _workers(cache) -> list[int]:
         try:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
             state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            log = os.readlink(f"/proc/{pid}/fd/1")  # a worker writes into its job's log in the cache
         except OSError:
             continue
-        if "deepinfer.compiler.worker" in cmdline and str(cache) in cmdline and state != "Z":
+        if "deepinfer.compiler" in cmdline and log.startswith(str(cache)) and state != "Z":
             pids.append(int(pid))
     return pids
 

@@ -19,13 +19,14 @@ import torch._inductor
 
 EXTENSION = "aoti.pt2"
 
-# Decode multiplies 1..8 rows by each weight: memory-bound GEMVs, where a BLAS call reads the
-# weight at a third of the bandwidth a fused multiply-reduce kernel gets on CPU. Inductor's mm
-# decomposition pass makes that kernel (bench/decode_bench.py measures the effect); larger
-# prefill chunks keep the BLAS call.
+# A decode step of ONE row multiplies it by each weight: a memory-bound GEMV, which inductor's mm
+# decomposition pass turns into a fused multiply-reduce kernel (bench/decode_bench.py measures it
+# at batch 1). From 2 rows on that kernel re-reads the weight per row and loses to the BLAS call
+# (bench/mm_decomposition_bench.py: 2 rows 2x, 8 rows 2.4x slower), so batched decode and
+# prefill keep BLAS.
 DEFAULTS = {
     "post_grad_fusion_options": {
-        "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 8, "cpu_max_other_dimension_decomposition": 1 << 30},
+        "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 1, "cpu_max_other_dimension_decomposition": 1 << 30},
     },
 }
 

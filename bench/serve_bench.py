@@ -11,9 +11,10 @@ token ids, timed by the client. Targets (the issue's): at concurrency 4, output 
 
 Measured here (2 cores, inductor): output tok/s 65.7 / 99.4 / 79.2 / 97.0 at concurrency 1 / 2 /
 4 / 8, p50 TPOT 11.8 / 15.1 / 43.5 / 71.2 ms: c=4 is 1.21x the tokens/s of c=1 at 3.68x its TPOT,
-short of the targets (export bundle: 2.41x and 1.57x). A 64-token prefill chunk costs ~160 ms of
-compute on 2 cores and every running stream waits for it: at c=4 a new request arrives every ~12
-decode steps.
+short of the targets (export bundle: 2.41x and 1.57x). A decode step of 4 rows costs 2.9x one of
+2 rows (12.0 -> 34.8 ms: the CPU BLAS slows down from 4 rows on, eager torch alike), and a 64-token
+prefill chunk costs ~160 ms on 2 cores that every running stream waits for (at c=4 a new request
+arrives every ~12 decode steps).
 """
 
 import argparse

@@ -148,7 +148,7 @@ class Engine:
             if prefilling.decoding:  # its whole prompt is in: the first token
                 self._append(prefilling, logits)
                 updated.append(prefilling)
-        decoding = [s for s in self.running if s.decoding and s.result.token_ids and s not in updated]
+        decoding = [s for s in self.running if s.decoding and s not in updated]  # (each has its first token)
         if decoding:
             self._decode(decoding)
             updated += [s for s in decoding if s not in updated]

@@ -92,20 +92,12 @@ class OpenAIServer:
     # --- endpoints ---------------------------------------------------------------------------
 
     async def completions(self, request: HTTPRequest) -> Response:
-        self._authorize(request)
-        body = await _json_body(request)
-        generation = parse_completion(body)
-        self._check_model(body)
-        self._check_available()
+        generation = await self._accept(request, parse_completion)
         prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in generation.prompts]
         return await self._respond(request, generation, prompts, chat=False)
 
     async def chat(self, request: HTTPRequest) -> Response:
-        self._authorize(request)
-        body = await _json_body(request)
-        generation = parse_chat(body)
-        self._check_model(body)
-        self._check_available()
+        generation = await self._accept(request, parse_chat)
         try:
             text = self.chat_template.render([message_text(m) for m in generation.prompts[0]])
         except ValueError as err:
@@ -143,6 +135,16 @@ class OpenAIServer:
             self.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
         return counted
+
+    async def _accept(self, request: HTTPRequest, parse) -> Generation:
+        """The checks every generation request passes, in the order a client should hear of them:
+        key, body, parameters, model, then whether the engine can take it."""
+        self._authorize(request)
+        body = await _json_body(request)
+        generation = parse(body)
+        self._check_model(body)
+        self._check_available()
+        return generation
 
     def _authorize(self, request: HTTPRequest):
         if self.api_key is None:

@@ -36,8 +36,12 @@ class ChatTemplate:
         """The bundle's template (the file chat_template.json names), or the plain default."""
         if path is None:
             return cls(DEFAULT_TEMPLATE)
-        spec = json.loads(Path(path).read_text())
-        return cls(spec["template"], spec.get("bos_token") or "", spec.get("eos_token") or "")
+        try:
+            spec = json.loads(Path(path).read_text())
+            return cls(spec["template"], spec.get("bos_token") or "", spec.get("eos_token") or "")
+        except (ValueError, KeyError, TypeError, DeepinferError) as err:
+            raise DeepinferError(f"{path}: not a usable chat template ({err}); recompile the bundle from a checkpoint "
+                                 "whose tokenizer_config.json or chat_template.jinja holds a valid one.") from None
 
     def render(self, messages: list[dict]) -> str:
         """Raises ValueError (the template's own complaint, e.g. roles out of order) on messages it refuses."""

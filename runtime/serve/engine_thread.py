@@ -95,6 +95,9 @@ class EngineThread:
         except DeepinferError as err:
             self.fail(str(err))
             return
+        except Exception as err:  # anything else must end the server too, not leave it loading forever
+            self.fail(f"loading the bundle failed: {type(err).__name__}: {err}")
+            return
         self.loop.call_soon_threadsafe(self.on_ready, self.engine)
         self.metrics.free_slots.set(self.engine.max_seqs)
         try:

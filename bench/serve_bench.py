@@ -9,12 +9,13 @@ Each request: a prompt of PROMPT_LEN random ids, OUTPUT_LEN tokens (EOS ignored)
 token ids, timed by the client. Targets (the issue's): at concurrency 4, output tokens/s at least
 2.5x concurrency 1 and p50 time per output token at most 1.6x concurrency 1.
 
-Measured here (2 cores, inductor): output tok/s 65.7 / 99.4 / 79.2 / 97.0 at concurrency 1 / 2 /
-4 / 8, p50 TPOT 11.8 / 15.1 / 43.5 / 71.2 ms: c=4 is 1.21x the tokens/s of c=1 at 3.68x its TPOT,
-short of the targets (export bundle: 2.41x and 1.57x). A decode step of 4 rows costs 2.9x one of
-2 rows (12.0 -> 34.8 ms: the CPU BLAS slows down from 4 rows on, eager torch alike), and a 64-token
-prefill chunk costs ~160 ms on 2 cores that every running stream waits for (at c=4 a new request
-arrives every ~12 decode steps).
+Measured here (2 cores, inductor): output tok/s 72.3 / 109.1 / 115.2 / 153.6 at concurrency 1 / 2 /
+4 / 8, p50 TPOT 10.9 / 14.9 / 28.5 / 43.2 ms: c=4 is 1.59x the tokens/s of c=1 at 2.62x its TPOT,
+short of the targets. Where c=4's time goes: a 4-row decode step costs 1.9x a 1-row one (20.1 vs
+10.7 ms: 4 rows x top-2 route to most of the 8 experts, so the MoE regions take the dense path and
+read all of them; reading only the routed ones, 4 rows would need 1.35x the bytes of one), and each newcomer's 48-token prompt
+is a ~135 ms prefill chunk (every expert on every token) that the running streams wait for; at c=4
+three of them land in each request's 48 steps, ~8.6 ms per output token.
 """
 
 import argparse

@@ -17,13 +17,15 @@ from pathlib import Path
 import torch
 import torch._inductor
 
+from deepinfer.compiler.backends import blocked_matmul
+
 EXTENSION = "aoti.pt2"
 
 # A decode step of ONE row multiplies it by each weight: a memory-bound GEMV, which inductor's mm
 # decomposition pass turns into a fused multiply-reduce kernel (bench/decode_bench.py measures it
 # at batch 1). From 2 rows on that kernel re-reads the weight per row and loses to the BLAS call
-# (bench/mm_decomposition_bench.py: 2 rows 2x, 8 rows 2.4x slower), so batched decode and
-# prefill keep BLAS.
+# (bench/mm_decomposition_bench.py: 2 rows 2x, 8 rows 3.8x slower), so batched decode and
+# prefill keep BLAS, cut into weight blocks at 4-8 rows (graph_passes: blocked_matmul.py).
 DEFAULTS = {
     "post_grad_fusion_options": {
         "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 1, "cpu_max_other_dimension_decomposition": 1 << 30},
@@ -37,7 +39,13 @@ def unavailable():
 
 def versions() -> dict:
     # CPU artifacts carry the host ISA in their build flags; the machine name keeps caches apart.
-    return {"inductor_host": platform.machine()}
+    # The graph passes deepinfer adds change what a region compiles to: their source hash too.
+    return {"inductor_host": platform.machine(), "inductor_passes": blocked_matmul.source_hash()}
+
+
+def graph_passes():
+    """deepinfer's own passes over inductor's post-grad graph (inductor runs them first)."""
+    return blocked_matmul.BlockedMatmul()
 
 
 def options(user: dict) -> dict:
@@ -62,6 +70,7 @@ def compile(program, options: dict, out):
     # The decomposition pass reads its thresholds when its module is first imported, so they are
     # set globally before inductor loads it (this is the region's own worker process).
     torch._inductor.config.post_grad_fusion_options = options.get("post_grad_fusion_options", {})
+    torch._inductor.config.post_grad_custom_pre_pass = graph_passes()
     program._example_inputs = (example_inputs(program), {})  # AOTInductor insists on having some
     with _private_inductor_cache(program):
         torch._inductor.aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))

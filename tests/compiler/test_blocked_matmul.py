@@ -1,0 +1,42 @@
+"""The inductor backend's blocked-matmul pass: 4-8 rows times a big weight become one batched
+matmul over weight blocks, with the same result; other shapes are left to the BLAS call."""
+
+import torch
+import torch._inductor.config
+from torch._inductor.utils import run_and_get_code
+
+from deepinfer.compiler.backends import inductor
+
+
+def layer(x4, x3, w, bias):
+    # 4 rows (blocked), 4 rows with a bias (blocked addmm), 3 rows (left alone)
+    return torch.nn.functional.linear(x4, w), torch.nn.functional.linear(x4, w, bias), torch.nn.functional.linear(x3, w)
+
+
+def test_blocked_matmul_matches_and_applies_only_at_4_to_8_rows():
+    torch.manual_seed(0)
+    w, bias = torch.randn(256, 96), torch.randn(256)
+    x4, x3 = torch.randn(4, 96), torch.randn(3, 96)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes()):
+        compiled = torch.compile(layer, dynamic=False, backend="inductor")
+        results, (code, *_) = run_and_get_code(compiled, x4, x3, w, bias)
+    for got, expected in zip(results, layer(x4, x3, w, bias)):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert code.count("extern_kernels.bmm(") == 2, code  # the two 4-row products
+    assert code.count("extern_kernels.mm(") == 1, code  # the 3-row one, as before
+
+
+def experts_up(x, w):
+    return torch.einsum("nd,efd->nef", x, w)  # a batch-of-one bmm after inductor's decompositions
+
+
+def test_blocked_matmul_covers_einsum_without_batch_dimensions():
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 64, 96), torch.randn(4, 96)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes()):
+        got, (code, *_) = run_and_get_code(torch.compile(experts_up, dynamic=False, backend="inductor"), x, w)
+    torch.testing.assert_close(got, experts_up(x, w), atol=1e-4, rtol=1e-4)
+    # one bmm: the 4 rows seen by each of the 8 blocks of 64 weight rows, without a copy (stride 0)
+    assert code.count("extern_kernels.bmm(reinterpret_tensor(arg0_1, (8, 4, 96), (0, 96, 1), 0)") == 1, code

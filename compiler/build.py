@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_checkpoint, read_weight
+from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_checkpoint, read_weight, stored_dtype
 from deepinfer.models.checkpoint import SafetensorsDir
 from deepinfer.models.parallel import shard
 from deepinfer.runtime.errors import DeepinferError
@@ -79,7 +79,7 @@ class Summary:
 def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
     m = recipe.model
     return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype,
-                       device=device, layout=layout)
+                       device=device, layout=layout, quantized_weights=m["quantized_weights"])
 
 
 def _layout(recipe: Recipe) -> Layout:
@@ -241,7 +241,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
     specs = []
     for name in names:
         tensor = trace.tensor_at(sharded, name)
-        dtype = full.param_dtype(name, DTYPES[recipe.dtype]) if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
+        dtype = stored_dtype(full, name, DTYPES[recipe.dtype]) if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
         specs.append((name, list(tensor.shape), dtype))
     derived = dict(full.named_buffers())
     checkpoint = recipe.model["checkpoint"]
@@ -257,12 +257,19 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
             if split:
                 size = shape[split[0]] // split[1]
                 part = (split[0], layout.shard_index(name, rank) * size, size)
-            return read_weight(weights, full, name, shape, part).to(full.param_dtype(name, DTYPES[recipe.dtype]))
+            return read_weight(weights, full, name, shape, part).to(stored_dtype(full, name, DTYPES[recipe.dtype]))
     else:
         model = _model(recipe, "cpu")
 
         def read_slice(name, rank):
             return shard(name, trace.tensor_at(model, name), layout, rank)
+
+    transform = getattr(backend_module(recipe.backend), "transform_weight", None)
+    if transform:
+        untransformed = read_slice
+
+        def read_slice(name, rank):
+            return transform(name, untransformed(name, rank))
 
     return lambda directory: write_rank_files(directory, specs, layout, full.config, read_slice)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from deepinfer.models import model_config
+from deepinfer.models import QUANTIZED_WEIGHTS, model_config
 from deepinfer.runtime.errors import DeepinferError
 
 from .backends import BACKENDS, backend_module, options_problem
@@ -30,7 +30,7 @@ class RecipeError(DeepinferError):
 @dataclass
 class Recipe:
     name: str
-    model: dict  # arch, checkpoint | config, seed
+    model: dict  # arch, checkpoint | config, seed, quantized_weights
     dtype: str
     parallel: dict  # world_size, tp, ep
     buckets: dict[str, list[int]]  # method -> sorted buckets
@@ -47,7 +47,8 @@ class Recipe:
 REQUIRED = object()
 SCHEMA = {
     "name": (str, REQUIRED),
-    "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0)},
+    "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0),
+              "quantized_weights": (str, "keep")},
     "dtype": (str, "float32"),
     "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0)},
     "methods": {"decode": {"buckets": (list, REQUIRED)}, "prefill": {"buckets": (list, REQUIRED)}},
@@ -99,6 +100,9 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         checkpoint = Path(model["checkpoint"])
         if not (checkpoint / "config.json").is_file():
             fail("model.checkpoint", f"{checkpoint} is not a readable HF checkpoint directory (no config.json there).")
+    if model["quantized_weights"] not in QUANTIZED_WEIGHTS:
+        fail("model.quantized_weights", f"{model['quantized_weights']!r}: choose keep (a checkpoint's fp8 weights stay fp8 in the "
+             "bundle, dequantized inside the regions) or dequantize (converted to the recipe's dtype at compile time).")
     if values["dtype"] not in ("float32", "bfloat16"):
         fail("dtype", f"{values['dtype']!r} is not supported; use float32 or bfloat16.")
     buckets = {}

@@ -12,7 +12,7 @@ methods `prefill`/`decode`, sub-modules `embed`, `layers[i]` (with a `kind`) and
 """
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,8 +26,10 @@ from .deepseek_v3_config import TINY_CONFIG, ConfigError, DeepseekV3Config
 from .deepseek_v4 import DeepseekV4
 from .deepseek_v4_config import TINY_V4_CONFIG, DeepseekV4Config
 from .parallel import Layout, LayoutError
+from .quantization import FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZED_WEIGHTS = ("keep", "dequantize")  # recipe model.quantized_weights: fp8 in the bundle, or the recipe's dtype
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ def model_config(arch: str, checkpoint: str | Path | None = None, config: dict |
         raise ConfigError("give exactly one of model.checkpoint (an HF directory) or model.config (a dict).")
     if checkpoint is not None:
         return config_class.from_dict(read_config(Path(checkpoint)), str(Path(checkpoint) / "config.json"))
+    if isinstance(config, dict) and config.get("quantization_config"):
+        raise ConfigError("model.config: quantization_config describes a checkpoint's stored weights, and random weights are "
+                          "not quantized. Give model.checkpoint for an fp8 checkpoint, or drop quantization_config.")
     return config_class.from_dict(config, "model.config", strict=True)
 
 
@@ -74,8 +79,12 @@ def build_model(
     dtype: str = "float32",
     device: str = "cpu",
     layout: Layout = Layout(),
+    quantized_weights: str = "keep",
 ) -> DeepseekV3 | DeepseekV4:
     """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
+
+    A checkpoint with fp8 weights (quantization_config) keeps them fp8 (`quantized_weights`
+    "keep": models/quantization.py) or is dequantized to `dtype` as it is read ("dequantize").
 
     device="meta" or "fake" builds shapes only: nothing is allocated and no weights are read.
     "fake" gives FakeTensors on the CPU (from one FakeTensorMode, `model.embed.weight.fake_mode`),
@@ -85,6 +94,10 @@ def build_model(
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported; choose one of {list(DTYPES)}.")
     cfg = model_config(arch, checkpoint, config)
+    if quantized_weights not in QUANTIZED_WEIGHTS:
+        raise ConfigError(f"model.quantized_weights={quantized_weights!r}: choose one of {list(QUANTIZED_WEIGHTS)}.")
+    if quantized_weights == "dequantize":
+        cfg = replace(cfg, quantization=None)
     if layout.world_size > 1 and device == "cpu":
         raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
     with torch.device("meta"):
@@ -94,7 +107,7 @@ def build_model(
     weights = SafetensorsDir(Path(checkpoint)) if checkpoint is not None and device == "cpu" else None
     with FakeTensorMode() if device == "fake" else nullcontext():
         for name, param in list(model.named_parameters()):
-            param_dtype = model.param_dtype(name, DTYPES[dtype])
+            param_dtype = stored_dtype(model, name, DTYPES[dtype])
             if weights is None:
                 tensor = torch.empty(param.shape, dtype=param_dtype)
             else:
@@ -105,6 +118,13 @@ def build_model(
     if device == "cpu" and weights is None:
         ARCHS[arch].init_random(model, seed)
     return model.eval().requires_grad_(False)
+
+
+def stored_dtype(model, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter `name` has in memory and in a bundle for a recipe `dtype`: quantized
+    weights and their scales keep the checkpoint's."""
+    param = model.get_parameter(name)
+    return param.dtype if is_quantized_param(param, name) else model.param_dtype(name, dtype)
 
 
 def checkpoint_keys(weights: SafetensorsDir, model, name: str, shape: tuple) -> list[tuple[str, tuple]]:
@@ -119,49 +139,74 @@ def check_checkpoint(checkpoint: str | Path, model):
     and a dtype we can read: checked from the file headers before anything is traced or compiled."""
     weights = SafetensorsDir(Path(checkpoint))
     for name, param in model.named_parameters():
+        if name.endswith(SCALE_SUFFIX):
+            continue  # checked with its weight
         for key, shape in checkpoint_keys(weights, model, name, tuple(param.shape)):
-            _check_shape(weights, key, shape)
+            _check_tensor(weights, key, shape, keep_fp8=param.dtype == FP8)
 
 
 def read_weight(weights: SafetensorsDir, model, name: str, shape: tuple,
                 part: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Our parameter `name` (full `shape`), read from the checkpoint's layout and shape-checked;
-    with part=(dim, start, length) only that slice is read."""
-    keys = checkpoint_keys(weights, model, name, shape)
+    with part=(dim, start, length) only that slice is read. An fp8 checkpoint tensor stays fp8
+    where the model keeps it so (its `_scale_inv` parameter reads the block scales, row-expanded)
+    and is dequantized otherwise."""
+    scales_of = name.endswith(SCALE_SUFFIX)
+    weight_name = name.removesuffix(SCALE_SUFFIX)
+    weight_shape = tuple(model.get_parameter(weight_name).shape) if scales_of else shape
+    keep_fp8 = model.get_parameter(weight_name).dtype == FP8
+
+    def read(key, key_shape):
+        _check_tensor(weights, key, key_shape, keep_fp8)
+        if scales_of:
+            return expand_rows(weights.get(key + SCALE_SUFFIX), key_shape[0], BLOCK)
+        tensor = weights.get(key)
+        if tensor.dtype == FP8 and not keep_fp8:
+            return dequantize(tensor, expand_rows(weights.get(key + SCALE_SUFFIX), key_shape[0], BLOCK), torch.float32)
+        return tensor
+
+    keys = checkpoint_keys(weights, model, weight_name, weight_shape)
     if len(keys) > 1:  # stacked experts
-        n_parts = len(keys) // shape[0]
-        first, count = (part[1], part[2]) if part else (0, shape[0])
+        n_parts = len(keys) // weight_shape[0]
+        first, count = (part[1], part[2]) if part else (0, weight_shape[0])  # experts split over dim 0 only
         chosen = keys[first * n_parts : (first + count) * n_parts]
-        return torch.stack([torch.cat([_read(weights, *k) for k in chosen[e : e + n_parts]])
-                            for e in range(0, len(chosen), n_parts)])
-    ((key, _),) = keys
+        return torch.stack([torch.cat([read(*k) for k in chosen[e : e + n_parts]]) for e in range(0, len(chosen), n_parts)])
+    ((key, key_shape),) = keys
     if part is None:
-        return _read(weights, key, shape)
-    _check_shape(weights, key, shape)
+        return read(key, key_shape)
+    if scales_of or weights.get_dtype(key) == "F8_E4M3":  # small (scales) or dequantized whole: cut after reading
+        return read(key, key_shape).narrow(*part)
+    _check_tensor(weights, key, key_shape, keep_fp8)
     return weights.get_slice(key, *part)
 
 
-def _read(weights: SafetensorsDir, key: str, shape: tuple) -> torch.Tensor:
-    _check_shape(weights, key, shape)
-    return weights.get(key)
-
-
+BLOCK = 128  # the only fp8 block size read (models/quantization.parse_quantization refuses others)
 _QUANTIZED = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "F4")
 
 
-def _check_shape(weights: SafetensorsDir, key: str, shape: tuple):
-    found = tuple(weights.get_shape(key))
-    if weights.get_dtype(key) in _QUANTIZED:
-        raise CheckpointError(
-            f"{weights.file_of(key)}: weight {key!r} is stored quantized ({weights.get_dtype(key)}), as DeepSeek's fp8/fp4 "
-            "release is. Quantized checkpoints are not supported yet: dequantize to bfloat16 first."
-        )
+def _check_tensor(weights: SafetensorsDir, key: str, shape: tuple, keep_fp8: bool):
+    found, dtype = tuple(weights.get_shape(key)), weights.get_dtype(key)
+    where = f"{weights.file_of(key)}: weight {key!r}"
     if found != tuple(shape):
-        raise CheckpointError(
-            f"{weights.file_of(key)}: weight {key!r} has shape {list(found)}, but config.json implies {list(shape)}. "
-            "The config and the weights come from different models."
-        )
+        raise CheckpointError(f"{where} has shape {list(found)}, but config.json implies {list(shape)}. "
+                              "The config and the weights come from different models.")
+    if dtype == "F8_E4M3":
+        scale_key = key + SCALE_SUFFIX
+        if scale_key not in weights:
+            raise CheckpointError(f"{where} is fp8 but its block scales {scale_key!r} are missing. Is the checkpoint complete?")
+        grid = [blocks(shape[0], BLOCK), blocks(shape[1], BLOCK)]
+        scale_shape, scale_dtype = weights.get_shape(scale_key), weights.get_dtype(scale_key)
+        if scale_shape != grid or scale_dtype != "F32":
+            raise CheckpointError(f"{weights.file_of(scale_key)}: {scale_key!r} is {scale_shape} {scale_dtype}, but the fp8 weight "
+                                  f"{list(shape)} in {BLOCK}x{BLOCK} blocks needs float32 scales {grid}. The checkpoint is corrupt "
+                                  "or from another quantizer.")
+    elif keep_fp8:
+        raise CheckpointError(f"{where} is {dtype}, but quantization_config says fp8: DeepSeek's release stores this "
+                              "weight as F8_E4M3 with a _scale_inv. The config and the weights do not match.")
+    elif dtype in _QUANTIZED:
+        raise CheckpointError(f"{where} is stored as {dtype}, which deepinfer does not read here (fp8 e4m3 with "
+                              "block scales is read where quantization_config says fp8).")
 
 
-__all__ = ["build_model", "check_checkpoint", "model_config", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config",
+__all__ = ["build_model", "check_checkpoint", "stored_dtype", "QUANTIZED_WEIGHTS", "model_config", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config",
            "DeepseekV4", "DeepseekV4Config", "Layout", "LayoutError", "TINY_CONFIG", "TINY_V4_CONFIG", "DTYPES"]

@@ -28,6 +28,7 @@ import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinf
 
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
 from .parallel import Layout, rank_buffers
+from .quantization import Fp8Blocks, Fp8Linear, expert_weights, linear_weight, stacked_fp8
 
 
 class RMSNorm(nn.Module):
@@ -105,7 +106,10 @@ class InputEmbedding(nn.Module):
         return h, torch.zeros_like(h), cos, sin
 
 
-def linear(dim_in: int, dim_out: int, bias: bool = False) -> nn.Linear:
+def linear(dim_in: int, dim_out: int, bias: bool = False, quantization: Fp8Blocks | None = None) -> nn.Module:
+    """nn.Linear, or an Fp8Linear where the checkpoint's weights are fp8 and kept so."""
+    if quantization:
+        return Fp8Linear(dim_in, dim_out, quantization.block)
     return nn.Linear(dim_in, dim_out, bias=bias)
 
 
@@ -115,7 +119,7 @@ class MLAttention(nn.Module):
 
     def __init__(self, config: DeepseekV3Config, tp: int = 1):
         super().__init__()
-        c = config
+        c, q = config, config.quantization
         self.tp = tp
         self.n_heads = c.num_attention_heads // tp
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -123,15 +127,15 @@ class MLAttention(nn.Module):
         self.interleaved = c.rope_interleave
         self.scale = c.softmax_scale
         if c.q_lora_rank is None:
-            self.q_proj = linear(c.hidden_size, self.n_heads * c.qk_head_dim)
+            self.q_proj = linear(c.hidden_size, self.n_heads * c.qk_head_dim, quantization=q)
         else:
-            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, c.attention_bias)
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, c.attention_bias, q)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = linear(c.q_lora_rank, self.n_heads * c.qk_head_dim)
-        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_cache_dim, c.attention_bias)
+            self.q_b_proj = linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, quantization=q)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_cache_dim, c.attention_bias, q)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
-        self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, c.attention_bias)
+        self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), quantization=q)
+        self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, c.attention_bias, q)
 
     def forward(self, x, cos, sin, positions, write_slots, read_slots, kv):
         """x [T, D] -> [T, D]. Stores this step's latent + rope key at (write_slots, positions), then
@@ -149,7 +153,7 @@ class MLAttention(nn.Module):
         rows = kv.index_select(0, read_slots)  # [1 or T, L, C]
         cached_latent, cached_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [.., L, R], [.., L, r]
         # Absorbed up-projections: attend in the latent space instead of expanding K and V.
-        w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_kv_b = linear_weight(self.kv_b_proj, x.dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([self.nope, self.v_dim], dim=1)  # [H, n, R], [H, v, R]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
         scores = torch.matmul(q_latent, cached_latent.mT) + torch.matmul(q_rope, cached_rope.mT)  # [T, H, L]
@@ -166,11 +170,11 @@ class MLAttention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: the dense layers' MLP and the MoE's shared experts."""
 
-    def __init__(self, dim: int, hidden: int, reduce_group: str | None = None):
+    def __init__(self, dim: int, hidden: int, reduce_group: str | None = None, quantization: Fp8Blocks | None = None):
         super().__init__()
-        self.gate_proj = linear(dim, hidden)
-        self.up_proj = linear(dim, hidden)
-        self.down_proj = linear(hidden, dim)
+        self.gate_proj = linear(dim, hidden, quantization=quantization)
+        self.up_proj = linear(dim, hidden, quantization=quantization)
+        self.down_proj = linear(hidden, dim, quantization=quantization)
         self.reduce_group = reduce_group  # all-reduce the row-parallel partial sums over it
 
     def forward(self, x):
@@ -217,12 +221,16 @@ class MoE(nn.Module):
         super().__init__()
         c = config
         self.config, self.layout = c, layout
-        E = c.n_routed_experts // layout.ep
+        E = self.n_local_experts = c.n_routed_experts // layout.ep
         I = c.moe_intermediate_size
         self.gate = Router(c)
-        self.experts_gate_up = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # gate rows, then up rows
-        self.experts_down = nn.Parameter(torch.empty(E, c.hidden_size, I))
-        self.shared_experts = MLP(c.hidden_size, I * c.n_shared_experts // layout.tp)
+        if c.quantization:
+            stacked_fp8(self, "experts_gate_up", E, 2 * I, c.hidden_size, c.quantization.block)
+            stacked_fp8(self, "experts_down", E, c.hidden_size, I, c.quantization.block)
+        else:
+            self.experts_gate_up = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # gate rows, then up rows
+            self.experts_down = nn.Parameter(torch.empty(E, c.hidden_size, I))
+        self.shared_experts = MLP(c.hidden_size, I * c.n_shared_experts // layout.tp, quantization=c.quantization)
         self.init_buffers()
 
     def init_buffers(self, rank: int = 0):
@@ -232,7 +240,9 @@ class MoE(nn.Module):
 
     def forward(self, x):
         weights, ids = self.gate(x)  # [N, k], [N, k]
-        routed = routed_experts(self, x, weights, ids, self.experts_gate_up, self.experts_down, swiglu)
+        gate_up = expert_weights(self, "experts_gate_up", x.dtype, self.config.quantization)
+        down = expert_weights(self, "experts_down", x.dtype, self.config.quantization)
+        routed = routed_experts(self, x, weights, ids, gate_up, down, swiglu)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)  # [N, D]
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 
@@ -243,23 +253,24 @@ def swiglu(gate, up):
 
 def routed_experts(moe: nn.Module, x, weights, ids, gate_up, down, activation):
     """The routed experts' sum [N, D] for x [N, D], routing weights and global expert ids [N, k];
-    stacked weights gate_up [E_local, 2I, D] (gate rows, then up rows) and down [E_local, D, I].
+    stacked weights gate_up [E_local, 2I, D] (gate rows, then up rows) and down [E_local, D, I],
+    given as pick(ids) functions (models/quantization.expert_weights).
     The rank's `moe` buffers say which experts it holds (expert_offset) and computes
     ([owned_begin, owned_end)); a routed expert owned elsewhere contributes zero here."""
-    E_local = gate_up.shape[0]
+    E_local = moe.n_local_experts
     is_local = (ids >= moe.owned_begin) & (ids < moe.owned_end)
     weights = torch.where(is_local, weights, 0.0).to(x.dtype)
     local_ids = (ids - moe.expert_offset).clamp(0, E_local - 1)
     # Static shapes pick the form: gathering k experts per row reads less than all experts
     # only while rows * k < E_local (decode); otherwise compute every local expert (prefill).
     if x.shape[0] * ids.shape[1] < E_local:
-        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up[local_ids]).chunk(2, dim=-1)  # [N, k, I] each
-        y = torch.einsum("nki,nkdi->nkd", activation(gate, up), down[local_ids])  # [N, k, D]
+        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up(local_ids)).chunk(2, dim=-1)  # [N, k, I] each
+        y = torch.einsum("nki,nkdi->nkd", activation(gate, up), down(local_ids))  # [N, k, D]
         return (y * weights[..., None]).sum(dim=1)
     combine = torch.zeros(x.shape[0], E_local, dtype=x.dtype, device=x.device)
     combine = combine.scatter_add(1, local_ids, weights)  # [N, E_local], zero where not routed
-    gate, up = torch.einsum("nd,efd->nef", x, gate_up).chunk(2, dim=-1)  # [N, E, I]
-    y = torch.einsum("nei,edi->ned", activation(gate, up), down)  # [N, E, D]
+    gate, up = torch.einsum("nd,efd->nef", x, gate_up()).chunk(2, dim=-1)  # [N, E, I]
+    y = torch.einsum("nei,edi->ned", activation(gate, up), down())  # [N, E, D]
     return torch.einsum("ned,ne->nd", y, combine)
 
 
@@ -281,7 +292,7 @@ class DecoderLayer(nn.Module):
         if moe:
             self.mlp = MoE(config, layout)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size // tp, "tp" if tp > 1 else None)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size // tp, "tp" if tp > 1 else None, config.quantization)
 
     def forward(self, h, pending, cos, sin, positions, write_slots, read_slots, kv):
         h = h + pending

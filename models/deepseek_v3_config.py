@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from .config_checks import ConfigError, check_fields, check_rope
+from .quantization import Fp8Blocks, QuantizationError, parse_quantization
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class DeepseekV3Config:
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     rope: RopeConfig = field(default_factory=RopeConfig)
+    quantization: Fp8Blocks | None = None  # the checkpoint's fp8 weights (models/quantization.py)
 
     @property
     def qk_head_dim(self) -> int:
@@ -79,6 +81,12 @@ class DeepseekV3Config:
                 "moe_intermediate_size x n_shared_experts": self.moe_intermediate_size * self.n_shared_experts,
                 "vocab_size": self.vocab_size}
 
+    def row_parallel_inputs(self) -> dict[str, int]:
+        """Input widths of the weights split by columns over tp (o_proj, down_proj), by name."""
+        return {"num_attention_heads x v_head_dim": self.num_attention_heads * self.v_head_dim,
+                "intermediate_size": self.intermediate_size,
+                "moe_intermediate_size x n_shared_experts": self.moe_intermediate_size * self.n_shared_experts}
+
     def max_len_problem(self, max_len: int) -> str | None:
         """Why kv.max_len cannot size this model's state, or None."""
         return None
@@ -88,9 +96,11 @@ class DeepseekV3Config:
 
     def to_dict(self) -> dict:
         """HF-style dict (rope as `rope_parameters`) that `from_dict` reads back unchanged."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope", "quantization")}
         out["model_type"] = "deepseek_v3"
         out["rope_parameters"] = {f.name: getattr(self.rope, f.name) for f in fields(RopeConfig)}
+        if self.quantization:
+            out["quantization_config"] = self.quantization.to_dict()
         return out
 
     @classmethod
@@ -104,7 +114,11 @@ class DeepseekV3Config:
             unknown = sorted(str(k) for k in raw if k not in _READ_KEYS)
             if unknown:
                 raise ConfigError(f"{source}: unknown field(s) {unknown}; the fields read are {sorted(_READ_KEYS)}.")
-        config = cls(**_checked_fields(raw, source), rope=_rope_config(raw, source))
+        try:
+            quantization = parse_quantization(raw.get("quantization_config"), source)
+        except QuantizationError as err:
+            raise ConfigError(str(err)) from None
+        config = cls(**_checked_fields(raw, source), rope=_rope_config(raw, source), quantization=quantization)
         _check_values(config, source)
         return config
 
@@ -120,13 +134,6 @@ def _checked_fields(raw: dict, source: str) -> dict:
             f"{source}: model_type is {model_type!r}, but this loader reads 'deepseek_v3' only. "
             "Point model.checkpoint at a DeepSeek-V3 checkpoint, or set model.arch to match."
         )
-    if raw.get("quantization_config"):
-        quantization = raw["quantization_config"]
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise ConfigError(
-            f"{source}: quantization_config (quant_method={method!r}) is not supported yet. "
-            "Dequantize the checkpoint to bfloat16 first (DeepSeek's fp8_cast_bf16.py does this)."
-        )
     unsupported = {
         "hidden_act": ("silu",),
         "scoring_func": ("sigmoid",),
@@ -136,7 +143,7 @@ def _checked_fields(raw: dict, source: str) -> dict:
     for key, allowed in unsupported.items():
         if key in raw and raw[key] not in allowed:
             raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
-    known = {f.name for f in fields(DeepseekV3Config)} - {"rope"}
+    known = {f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization"}
     values = {k: raw[k] for k in known if k in raw and raw[k] is not None}
     if raw.get("q_lora_rank", 0) is None:
         values["q_lora_rank"] = None  # null means a plain q projection
@@ -153,7 +160,7 @@ LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 <
 SIZE_LIMIT = 1 << 20
 _NON_NEGATIVE = ("n_shared_experts", "qk_nope_head_dim", "first_k_dense_replace")
 _OPTIONAL = ("q_lora_rank", "bos_token_id", "eos_token_id")  # may be null
-_READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - {"rope"}) | {
+_READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization"}) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "scoring_func", "topk_method",
     "pretraining_tp", "quantization_config", "num_key_value_heads"}
 
@@ -163,10 +170,12 @@ def _check_values(c: DeepseekV3Config, source: str):
     def fail(key, message):
         raise ConfigError(f"{source}: {key}={getattr(c, key, None)!r} {message}")
 
-    check_fields(c, source, skip=("rope",), optional=_OPTIONAL, non_negative=_NON_NEGATIVE + _OPTIONAL, limits=LIMITS,
+    check_fields(c, source, skip=("rope", "quantization"), optional=_OPTIONAL, non_negative=_NON_NEGATIVE + _OPTIONAL, limits=LIMITS,
                  size_limit=SIZE_LIMIT)
     if c.qk_rope_head_dim % 2:
         fail("qk_rope_head_dim", "must be even (RoPE rotates pairs of channels).")
+    if c.quantization and c.attention_bias:
+        fail("attention_bias", "with fp8 weights (quantization_config) is not supported; DeepSeek's release has no attention bias.")
     if c.n_routed_experts % c.n_group:
         fail("n_routed_experts", f"is not divisible by n_group={c.n_group}.")
     if c.topk_group > c.n_group:

@@ -44,6 +44,7 @@ from . import deepseek_v3
 from .deepseek_v3 import routed_experts, rope_frequencies
 from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from .parallel import Layout, rank_buffers
+from .quantization import expert_weights
 
 
 class RMSNorm(deepseek_v3.RMSNorm):
@@ -325,6 +326,7 @@ class MoE(nn.Module):
         c = config
         self.config, self.layout, self.limit = c, layout, c.swiglu_limit
         E, I = c.n_routed_experts // layout.ep, c.moe_intermediate_size
+        self.n_local_experts = E
         self.gate = Gate(c, hashed)
         self.experts_w13 = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # w1 (gate) rows, then w3 (up) rows
         self.experts_w2 = nn.Parameter(torch.empty(E, c.hidden_size, I))
@@ -339,7 +341,8 @@ class MoE(nn.Module):
     def forward(self, x, tokens):
         weights, ids = self.gate(x, tokens)  # [R, k] each
         activation = partial(clamped_swiglu, limit=self.limit)
-        routed = routed_experts(self, x, weights, ids, self.experts_w13, self.experts_w2, activation)
+        w13, w2 = expert_weights(self, "experts_w13", x.dtype, None), expert_weights(self, "experts_w2", x.dtype, None)
+        routed = routed_experts(self, x, weights, ids, w13, w2, activation)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 

@@ -31,6 +31,8 @@ import torch
 
 from deepinfer.runtime.errors import DeepinferError
 
+from .quantization import SCALE_SUFFIX
+
 # parameter name suffix -> dim split over tp (0: output rows, column-parallel; 1: input columns, row-parallel)
 TP_SPLITS = {
     "self_attn.q_proj.weight": 0,
@@ -71,7 +73,9 @@ class Layout:
         return self.world_size // self.tp
 
     def split(self, name: str) -> tuple[int, int] | None:
-        """(dim, parts) that parameter `name` is split into, or None if every rank holds all of it."""
+        """(dim, parts) that parameter `name` is split into, or None if every rank holds all of it.
+        An fp8 weight's row-expanded scales split as the weight does (dim 1 in whole blocks)."""
+        name = name.removesuffix(SCALE_SUFFIX)
         for suffix, dim in TP_SPLITS.items():
             if name.endswith(suffix) and self.tp > 1:
                 return dim, self.tp
@@ -82,6 +86,7 @@ class Layout:
 
     def shard_index(self, name: str, rank: int) -> int:
         """Which of the `parts` slices of `name` rank holds."""
+        name = name.removesuffix(SCALE_SUFFIX)
         return rank % self.tp if any(name.endswith(s) for s in TP_SPLITS) else rank // (self.world_size // self.ep)
 
     def check(self, config) -> None:
@@ -99,6 +104,13 @@ class Layout:
         ]:
             if n % parts:
                 raise LayoutError(f"parallel: {name}={parts} does not divide {what}={n}.")
+        quantization = getattr(c, "quantization", None)
+        if quantization and tp > 1:
+            for what, columns in c.row_parallel_inputs().items():
+                if columns % (tp * quantization.block):
+                    raise LayoutError(f"parallel: tp={tp} splits {what}={columns} input columns into {columns // tp} a rank, "
+                                      f"which cuts a {quantization.block}-column fp8 scale block. Choose a tp that leaves each "
+                                      f"rank whole blocks, or compile with model.quantized_weights: dequantize.")
         if getattr(c, "attention_bias", False) and tp > 1:
             raise LayoutError("parallel: tp > 1 with attention_bias is not supported (the row-parallel o_proj bias would be added tp times).")
 

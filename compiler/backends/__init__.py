@@ -13,6 +13,9 @@ The contract every backend module keeps, so the compile worker can drive any of 
                                        before anything compiles (the testing aid inject_fault is checked
                                        here, by options_problem, and never reaches the backend's)
     compile(program, options, out)     ExportedProgram of one region (weights are inputs) -> file `out`
+    transform_weight(name, tensor) -> tensor (optional)
+                                       how the bundle stores a weight for this backend's hardware
+                                       (neuron: fp8 re-encoded for trn2), applied as weights are written
 
 Each has a loader of the same name under runtime/backends/ (`load(path) -> callable`).
 """

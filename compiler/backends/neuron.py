@@ -9,6 +9,8 @@ import importlib.util
 
 import torch
 
+from .neuron_fp8 import to_trn2 as transform_weight  # noqa: F401  (the contract's weight transform)
+
 EXTENSION = "neff.pt"
 
 

@@ -68,7 +68,7 @@ def test_wrong_shape_names_file_and_key(checkpoint):
     "changes, message",
     [
         ({"model_type": "llama"}, "model_type is 'llama'"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "gptq"}}, r"quantization_config\.quant_method='gptq' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
         ({"n_group": 3}, "not divisible by n_group=3"),
@@ -121,7 +121,7 @@ def test_full_size_moe_layer_traces_on_meta_in_seconds():
 @pytest.mark.parametrize("damage, message", [
     ("missing", r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight' is missing"),
     ("no files", r"no \*\.safetensors weight files"),
-    ("quantized", r"quantization_config \(quant_method='fp8'\) is not supported yet"),
+    ("quantized", r"quantization_config\.weight_block_size=\[64, 64\] is not supported"),
 ])
 def test_a_bad_checkpoint_stops_the_compile_before_any_region_compiles(checkpoint, tmp_path, damage, message):
     import subprocess
@@ -137,7 +137,8 @@ def test_a_bad_checkpoint_stops_the_compile_before_any_region_compiles(checkpoin
     elif damage == "no files":
         file.unlink()
     else:
-        edit_config(checkpoint, quantization_config={"quant_method": "fp8"})
+        edit_config(checkpoint, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                                     "weight_block_size": [64, 64]})
     recipe = write_recipe(tmp_path, "ckpt", model={"checkpoint": str(checkpoint), "config": None},
                           kv={"max_seqs": 4, "max_len": 64}, backend={"name": "export"},
                           methods={"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}})
@@ -159,7 +160,7 @@ def test_quantized_deepseek_v4_weights_are_refused_naming_the_key(tmp_path):
     key = "model.layers.1.attn.wq_a.weight"
     weights[key] = weights[key].to(torch.float8_e4m3fn)
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=rf"weight '{key}' is stored quantized \(F8_E4M3\)"):
+    with pytest.raises(CheckpointError, match=rf"weight '{key}' is fp8 but its block scales '{key}_scale_inv' are missing"):
         check_checkpoint(tmp_path, build_model("deepseek_v4", checkpoint=tmp_path, device="meta"))
     edit_config(tmp_path, quantization_config={"quant_method": "fp8"})
     with pytest.raises(ConfigError, match=r"quantization_config \(quant_method='fp8'\).*not supported yet"):

@@ -1,0 +1,157 @@
+"""DeepSeek-V3 checkpoints in the release's fp8 format (128x128 block scales; dimensions that are
+not multiples of 128, so scale grids end in partial blocks): the greedy tokens of transformers on
+the same weights as the fp8 bytes decode, with the weights kept fp8 in the bundle and with them
+dequantized at compile time, on both backends and at world sizes 1 and 2; and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import RecipeError, load_recipe
+from deepinfer.models import CheckpointError, ConfigError, build_model
+from tests.conftest import TINY_RECIPE, write_recipe
+from tests.models.fp8_release import write_fp8_release
+
+transformers = pytest.importorskip("transformers")
+
+# The tiny model widened past one block: kv_a_proj_with_mqa [104, 192] has scales [1, 2], the
+# experts' down_proj [192, 160] scales [2, 2]; o_proj's 256 input columns split into whole blocks.
+WIDER = {"hidden_size": 192, "intermediate_size": 256, "moe_intermediate_size": 160, "q_lora_rank": 144,
+         "kv_lora_rank": 96, "qk_nope_head_dim": 32, "v_head_dim": 64}
+PROMPTS = [[5, 17, 42, 99, 7, 3, 9, 11], [77, 78], list(range(10, 30))]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tests.models.test_hf_parity import decisive_init
+
+    config = dict(yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"], num_key_value_heads=4, **WIDER)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config)).eval()
+    decisive_init(hf, seed=3)
+    release, dequantized = tmp_path_factory.mktemp("fp8-release"), tmp_path_factory.mktemp("fp8-dequantized")
+    write_fp8_release(hf, release, dequantized)
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(dequantized).eval()
+    reference.config._attn_implementation = "eager"
+    return release, reference
+
+
+@pytest.fixture(scope="module")
+def expected_tokens(checkpoints):
+    _, hf = checkpoints
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = list(prompt)
+            for _ in range(MAX_TOKENS):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(prompt):])
+    return out
+
+
+def test_weights_stay_fp8_and_match_transformers_in_eager(checkpoints):
+    release, hf = checkpoints
+    kept = build_model(checkpoint=release)
+    dequantized = build_model(checkpoint=release, quantized_weights="dequantize")
+    attention = kept.layers[1].self_attn
+    assert attention.kv_a_proj_with_mqa.weight.dtype == torch.float8_e4m3fn
+    assert attention.kv_a_proj_with_mqa.weight_scale_inv.shape == (104, 2)  # row-expanded [ceil(104/128) = 1, 2]
+    assert kept.layers[1].mlp.experts_down.dtype == torch.float8_e4m3fn and kept.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in dequantized.parameters())
+    ids = torch.tensor(PROMPTS[0])
+    T = len(ids)
+    step = (ids, torch.arange(T), torch.zeros(T, dtype=torch.long), torch.tensor([0]), torch.tensor([T - 1]))
+    with torch.no_grad():
+        reference = hf(ids[None]).logits[0, -1]
+        for model in (kept, dequantized):
+            logits = model.prefill(*step, model.new_state(1, 64))[0]
+            torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+
+
+def compile_fp8(release, tmp_path, cache_dir, backend, mode, world_size):
+    buckets = {"decode": {"buckets": [4]}, "prefill": {"buckets": [32]}}
+    recipe = write_recipe(tmp_path, f"fp8-{backend}-{mode}-ws{world_size}", methods=buckets, backend={"name": backend},
+                          model={"checkpoint": str(release), "config": None, "quantized_weights": mode},
+                          parallel={"world_size": world_size, "tp": 1, "ep": world_size}, kv={"max_seqs": 4, "max_len": 64})
+    return compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
+
+
+def run_tokens(bundle) -> list[list[int]]:
+    args = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    run = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *args,
+                          "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [r["token_ids"] for r in json.loads(run.stdout)["results"]]
+
+
+@pytest.mark.parametrize("backend, mode, world_size", [
+    ("export", "keep", 1), ("export", "dequantize", 1), ("export", "keep", 2), ("export", "dequantize", 2),
+    ("inductor", "keep", 1), ("inductor", "keep", 2),  # (ws2 compiles only the MoE regions anew: E/2 experts)
+])
+def test_compiled_tokens_equal_transformers(checkpoints, expected_tokens, tmp_path, cache_dir, backend, mode, world_size):
+    release, _ = checkpoints
+    bundle = compile_fp8(release, tmp_path, cache_dir, backend, mode, world_size)
+    stored = load_file(bundle / "weights" / "rank-0.safetensors")
+    fp8 = {name for name, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    assert ("layers.1.mlp.experts_down" in fp8 and "layers.1.mlp.experts_down_scale_inv" in stored) == (mode == "keep")
+    assert "layers.1.mlp.gate.weight" not in fp8
+    assert run_tokens(bundle) == expected_tokens
+
+
+def damage(release, tmp_path, edit):
+    """A copy of the release checkpoint with `edit(tensors)` applied."""
+    copy = tmp_path / "damaged"
+    copy.mkdir()
+    (copy / "config.json").write_text((release / "config.json").read_text())
+    tensors = load_file(release / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, copy / "model.safetensors")
+    return copy
+
+
+KEY = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop(KEY + "_scale_inv"), rf"'{KEY}' is fp8 but its block scales '{KEY}_scale_inv' are missing"),
+    (lambda t: t.update({KEY + "_scale_inv": torch.ones(2, 2)}), rf"'{KEY}_scale_inv' is \[2, 2\] F32, but the fp8 weight "
+                                                                 r"\[104, 192\] in 128x128 blocks needs float32 scales \[1, 2\]"),
+    (lambda t: t.update({KEY: t[KEY].float()}), rf"'{KEY}' is F32, but quantization_config says fp8"),
+])
+def test_a_bad_scale_or_weight_names_the_tensor(checkpoints, tmp_path, edit, message):
+    release, _ = checkpoints
+    damaged = damage(release, tmp_path, edit)
+    from deepinfer.models import check_checkpoint
+
+    with pytest.raises(CheckpointError, match=message):
+        check_checkpoint(damaged, build_model(checkpoint=damaged, device="meta"))
+    with pytest.raises(CheckpointError, match=message):
+        build_model(checkpoint=damaged)
+
+
+@pytest.mark.parametrize("key, value", [("fmt", "e5m2"), ("weight_block_size", [64, 64]), ("quant_method", "awq")])
+def test_other_quantization_formats_are_refused_naming_the_key(checkpoints, tmp_path, key, value):
+    release, _ = checkpoints
+    copy = damage(release, tmp_path, lambda t: None)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"][key] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"quantization_config\.{key}={value!r} is not supported".replace("[", r"\[")):
+        build_model(checkpoint=copy, device="meta")
+
+
+def test_a_tp_split_that_cuts_scale_blocks_is_refused_with_the_numbers(checkpoints, tmp_path):
+    """o_proj's 256 input columns split over tp=4 give 64 a rank: half a 128-column block."""
+    release, _ = checkpoints
+    recipe = write_recipe(tmp_path, "fp8-tp4", model={"checkpoint": str(release), "config": None},
+                          parallel={"world_size": 4, "tp": 4, "ep": 4})
+    from deepinfer.compiler.build import plan
+
+    with pytest.raises(RecipeError, match=r"tp=4 splits .*=256 input columns into 64 a rank.*128-column fp8 scale block"):
+        plan(load_recipe(recipe))

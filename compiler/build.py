@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_checkpoint, read_weight, stored_dtype
+from deepinfer.models.quantization import SCALE_SUFFIX
 from deepinfer.models.checkpoint import SafetensorsDir
 from deepinfer.models.parallel import shard
 from deepinfer.runtime.errors import DeepinferError
@@ -269,7 +270,9 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
         untransformed = read_slice
 
         def read_slice(name, rank):
-            return transform(name, untransformed(name, rank))
+            scaled = name.removesuffix(SCALE_SUFFIX)
+            scales_for = full.get_parameter(scaled).dtype if scaled != name else None
+            return transform(name, untransformed(name, rank), scales_for)
 
     return lambda directory: write_rank_files(directory, specs, layout, full.config, read_slice)
 

@@ -10,7 +10,7 @@ import torch
 from deepinfer.models.parallel import Layout, rank_buffers
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.float8_e4m3fn: "F8_E4M3"}
+                      torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
 
 
 def write_safetensors(path: Path, specs: list[tuple[str, list[int], torch.dtype]], tensor_of):

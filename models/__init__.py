@@ -26,7 +26,7 @@ from .deepseek_v3_config import TINY_CONFIG, ConfigError, DeepseekV3Config
 from .deepseek_v4 import DeepseekV4
 from .deepseek_v4_config import TINY_V4_CONFIG, DeepseekV4Config
 from .parallel import Layout, LayoutError
-from .quantization import FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
+from .quantization import FP4, FP4_GROUP, FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED_WEIGHTS = ("keep", "dequantize")  # recipe model.quantized_weights: fp8 in the bundle, or the recipe's dtype
@@ -141,71 +141,105 @@ def check_checkpoint(checkpoint: str | Path, model):
     for name, param in model.named_parameters():
         if name.endswith(SCALE_SUFFIX):
             continue  # checked with its weight
-        for key, shape in checkpoint_keys(weights, model, name, tuple(param.shape)):
-            _check_tensor(weights, key, shape, keep_fp8=param.dtype == FP8)
+        logical = (*param.shape[:-1], param.shape[-1] * 2) if param.dtype == FP4 else tuple(param.shape)
+        for key, shape in checkpoint_keys(weights, model, name, logical):
+            _check_tensor(weights, key, shape, param.dtype)
 
 
 def read_weight(weights: SafetensorsDir, model, name: str, shape: tuple,
                 part: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Our parameter `name` (full `shape`), read from the checkpoint's layout and shape-checked;
-    with part=(dim, start, length) only that slice is read. An fp8 checkpoint tensor stays fp8
-    where the model keeps it so (its `_scale_inv` parameter reads the block scales, row-expanded)
-    and is dequantized otherwise."""
+    with part=(dim, start, length) only that slice is read. A quantized checkpoint tensor (fp8, or
+    fp4 packed two a byte) stays so where the model keeps it (its `_scale_inv` parameter reads the
+    scales, fp8 ones row-expanded) and is dequantized otherwise."""
     scales_of = name.endswith(SCALE_SUFFIX)
     weight_name = name.removesuffix(SCALE_SUFFIX)
-    weight_shape = tuple(model.get_parameter(weight_name).shape) if scales_of else shape
-    keep_fp8 = model.get_parameter(weight_name).dtype == FP8
+    param = model.get_parameter(weight_name)
+    kept = param.dtype in (FP8, FP4)
+    logical = (*param.shape[:-1], param.shape[-1] * 2) if param.dtype == FP4 else tuple(param.shape)
 
-    def read(key, key_shape):
-        _check_tensor(weights, key, key_shape, keep_fp8)
+    def read(key, key_shape):  # key_shape: the logical [out, in]
+        scale_key = _check_tensor(weights, key, key_shape, param.dtype)
         if scales_of:
-            return expand_rows(weights.get(key + SCALE_SUFFIX), key_shape[0], BLOCK)
-        tensor = weights.get(key)
-        if tensor.dtype == FP8 and not keep_fp8:
-            return dequantize(tensor, expand_rows(weights.get(key + SCALE_SUFFIX), key_shape[0], BLOCK), torch.float32)
-        return tensor
+            return _scales(weights, key, scale_key, key_shape)
+        tensor = _stored(weights.get(key))
+        if scale_key is None or kept:
+            return tensor
+        return dequantize(tensor, _scales(weights, key, scale_key, key_shape), torch.float32, BLOCK)
 
-    keys = checkpoint_keys(weights, model, weight_name, weight_shape)
+    keys = checkpoint_keys(weights, model, weight_name, logical)
     if len(keys) > 1:  # stacked experts
-        n_parts = len(keys) // weight_shape[0]
-        first, count = (part[1], part[2]) if part else (0, weight_shape[0])  # experts split over dim 0 only
+        n_parts = len(keys) // logical[0]
+        first, count = (part[1], part[2]) if part else (0, logical[0])  # experts split over dim 0 only
         chosen = keys[first * n_parts : (first + count) * n_parts]
         return torch.stack([torch.cat([read(*k) for k in chosen[e : e + n_parts]]) for e in range(0, len(chosen), n_parts)])
     ((key, key_shape),) = keys
     if part is None:
         return read(key, key_shape)
-    if scales_of or weights.get_dtype(key) == "F8_E4M3":  # small (scales) or dequantized whole: cut after reading
+    if scales_of or weights.get_dtype(key) in _QUANTIZED:  # small (scales) or dequantized whole: cut after reading
         return read(key, key_shape).narrow(*part)
-    _check_tensor(weights, key, key_shape, keep_fp8)
+    _check_tensor(weights, key, key_shape, param.dtype)
     return weights.get_slice(key, *part)
 
 
 BLOCK = 128  # the only fp8 block size read (models/quantization.parse_quantization refuses others)
 _QUANTIZED = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "F4")
+_FP4 = ("I8", "U8")  # how checkpoints store fp4 e2m1 pairs
 
 
-def _check_tensor(weights: SafetensorsDir, key: str, shape: tuple, keep_fp8: bool):
+def _stored(tensor: torch.Tensor) -> torch.Tensor:
+    """fp4 pairs and e8m0 scales as the bytes we keep; anything else unchanged."""
+    return tensor.view(torch.uint8) if tensor.dtype in (torch.int8, torch.float8_e8m0fnu) else tensor
+
+
+def _scale_key(weights: SafetensorsDir, key: str) -> str:
+    """transformers' `<weight>_scale_inv`, or DeepSeek's upstream `<module>.scale`."""
+    for candidate in (key + SCALE_SUFFIX, key.removesuffix(".weight") + ".scale"):
+        if candidate in weights:
+            return candidate
+    return key + SCALE_SUFFIX
+
+
+def _scales(weights: SafetensorsDir, key: str, scale_key: str, shape: tuple) -> torch.Tensor:
+    scales = _stored(weights.get(scale_key))
+    return scales if weights.get_dtype(key) in _FP4 else expand_rows(scales, shape[0], BLOCK)
+
+
+def _check_tensor(weights: SafetensorsDir, key: str, shape: tuple, param_dtype: torch.dtype) -> str | None:
+    """Checks checkpoint tensor `key` for our logical weight `shape` and the dtype the model keeps
+    (FP8 / FP4: quantized, else the recipe's); returns its scales' key if it is quantized."""
     found, dtype = tuple(weights.get_shape(key)), weights.get_dtype(key)
     where = f"{weights.file_of(key)}: weight {key!r}"
-    if found != tuple(shape):
-        raise CheckpointError(f"{where} has shape {list(found)}, but config.json implies {list(shape)}. "
+    fp4 = dtype in _FP4
+    stored = (*shape[:-1], shape[-1] // 2) if fp4 else tuple(shape)
+    if found != stored:
+        raise CheckpointError(f"{where} has shape {list(found)}, but config.json implies {list(stored)}. "
                               "The config and the weights come from different models.")
-    if dtype == "F8_E4M3":
-        scale_key = key + SCALE_SUFFIX
-        if scale_key not in weights:
-            raise CheckpointError(f"{where} is fp8 but its block scales {scale_key!r} are missing. Is the checkpoint complete?")
-        grid = [blocks(shape[0], BLOCK), blocks(shape[1], BLOCK)]
-        scale_shape, scale_dtype = weights.get_shape(scale_key), weights.get_dtype(scale_key)
-        if scale_shape != grid or scale_dtype != "F32":
-            raise CheckpointError(f"{weights.file_of(scale_key)}: {scale_key!r} is {scale_shape} {scale_dtype}, but the fp8 weight "
-                                  f"{list(shape)} in {BLOCK}x{BLOCK} blocks needs float32 scales {grid}. The checkpoint is corrupt "
-                                  "or from another quantizer.")
-    elif keep_fp8:
-        raise CheckpointError(f"{where} is {dtype}, but quantization_config says fp8: DeepSeek's release stores this "
-                              "weight as F8_E4M3 with a _scale_inv. The config and the weights do not match.")
-    elif dtype in _QUANTIZED:
-        raise CheckpointError(f"{where} is stored as {dtype}, which deepinfer does not read here (fp8 e4m3 with "
-                              "block scales is read where quantization_config says fp8).")
+    if dtype not in ("F8_E4M3", *_FP4):
+        if param_dtype in (FP8, FP4):
+            raise CheckpointError(f"{where} is {dtype}, but quantization_config says it is stored "
+                                  f"{'fp4' if param_dtype == FP4 else 'fp8'} with a scale. The config and the weights do not match.")
+        if dtype in _QUANTIZED:
+            raise CheckpointError(f"{where} is stored as {dtype}, which deepinfer does not read (fp8 e4m3 with 128x128 block "
+                                  "scales, and fp4 e2m1 experts with e8m0 scales, are read).")
+        return None
+    if param_dtype in (FP8, FP4) and fp4 != (param_dtype == FP4):
+        raise CheckpointError(f"{where} is {dtype}, but quantization_config.expert_dtype says "
+                              f"{'fp4' if param_dtype == FP4 else 'fp8'}. The config and the weights do not match.")
+    scale_key = _scale_key(weights, key)
+    if scale_key not in weights:
+        raise CheckpointError(f"{where} is {'fp4' if fp4 else 'fp8'} but its scales {scale_key!r} are missing. "
+                              "Is the checkpoint complete?")
+    if fp4:
+        grid, dtypes, what = [shape[0], shape[1] // FP4_GROUP], ("F8_E8M0",), f"one e8m0 scale per {FP4_GROUP} inputs"
+    else:
+        grid, dtypes, what = [blocks(shape[0], BLOCK), blocks(shape[1], BLOCK)], ("F32", "F8_E8M0"), f"{BLOCK}x{BLOCK} blocks"
+    scale_shape, scale_dtype = weights.get_shape(scale_key), weights.get_dtype(scale_key)
+    if scale_shape != grid or scale_dtype not in dtypes:
+        raise CheckpointError(f"{weights.file_of(scale_key)}: {scale_key!r} is {scale_shape} {scale_dtype}, but the "
+                              f"{'fp4' if fp4 else 'fp8'} weight {list(shape)} in {what} needs {' or '.join(dtypes)} scales "
+                              f"{grid}. The checkpoint is corrupt or from another quantizer.")
+    return scale_key
 
 
 __all__ = ["build_model", "check_checkpoint", "stored_dtype", "QUANTIZED_WEIGHTS", "model_config", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config",

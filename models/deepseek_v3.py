@@ -28,7 +28,7 @@ import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinf
 
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
 from .parallel import Layout, rank_buffers
-from .quantization import Fp8Blocks, Fp8Linear, expert_weights, linear_weight, stacked_fp8
+from .quantization import Fp8Blocks, expert_weights, linear, linear_weight, stacked_experts
 
 
 class RMSNorm(nn.Module):
@@ -106,13 +106,6 @@ class InputEmbedding(nn.Module):
         return h, torch.zeros_like(h), cos, sin
 
 
-def linear(dim_in: int, dim_out: int, bias: bool = False, quantization: Fp8Blocks | None = None) -> nn.Module:
-    """nn.Linear, or an Fp8Linear where the checkpoint's weights are fp8 and kept so."""
-    if quantization:
-        return Fp8Linear(dim_in, dim_out, quantization.block)
-    return nn.Linear(dim_in, dim_out, bias=bias)
-
-
 class MLAttention(nn.Module):
     """Multi-head latent attention with the compressed cache and absorbed up-projections.
     Under tensor parallelism this rank holds n_heads / tp heads; o_proj's partials are all-reduced."""
@@ -127,15 +120,15 @@ class MLAttention(nn.Module):
         self.interleaved = c.rope_interleave
         self.scale = c.softmax_scale
         if c.q_lora_rank is None:
-            self.q_proj = linear(c.hidden_size, self.n_heads * c.qk_head_dim, quantization=q)
+            self.q_proj = linear(c.hidden_size, self.n_heads * c.qk_head_dim, q)
         else:
-            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, c.attention_bias, q)
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, q, c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, quantization=q)
-        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_cache_dim, c.attention_bias, q)
+            self.q_b_proj = linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, q)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_cache_dim, q, c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), quantization=q)
-        self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, c.attention_bias, q)
+        self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q)
+        self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, q, c.attention_bias)
 
     def forward(self, x, cos, sin, positions, write_slots, read_slots, kv):
         """x [T, D] -> [T, D]. Stores this step's latent + rope key at (write_slots, positions), then
@@ -172,9 +165,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, reduce_group: str | None = None, quantization: Fp8Blocks | None = None):
         super().__init__()
-        self.gate_proj = linear(dim, hidden, quantization=quantization)
-        self.up_proj = linear(dim, hidden, quantization=quantization)
-        self.down_proj = linear(hidden, dim, quantization=quantization)
+        self.gate_proj = linear(dim, hidden, quantization)
+        self.up_proj = linear(dim, hidden, quantization)
+        self.down_proj = linear(hidden, dim, quantization)
         self.reduce_group = reduce_group  # all-reduce the row-parallel partial sums over it
 
     def forward(self, x):
@@ -224,12 +217,8 @@ class MoE(nn.Module):
         E = self.n_local_experts = c.n_routed_experts // layout.ep
         I = c.moe_intermediate_size
         self.gate = Router(c)
-        if c.quantization:
-            stacked_fp8(self, "experts_gate_up", E, 2 * I, c.hidden_size, c.quantization.block)
-            stacked_fp8(self, "experts_down", E, c.hidden_size, I, c.quantization.block)
-        else:
-            self.experts_gate_up = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # gate rows, then up rows
-            self.experts_down = nn.Parameter(torch.empty(E, c.hidden_size, I))
+        stacked_experts(self, "experts_gate_up", E, 2 * I, c.hidden_size, c.quantization)  # gate rows, then up rows
+        stacked_experts(self, "experts_down", E, c.hidden_size, I, c.quantization)
         self.shared_experts = MLP(c.hidden_size, I * c.n_shared_experts // layout.tp, quantization=c.quantization)
         self.init_buffers()
 

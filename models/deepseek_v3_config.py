@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from .config_checks import ConfigError, check_fields, check_rope
-from .quantization import Fp8Blocks, QuantizationError, parse_quantization
+from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_quantization
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,8 @@ def _check_values(c: DeepseekV3Config, source: str):
                  size_limit=SIZE_LIMIT)
     if c.qk_rope_head_dim % 2:
         fail("qk_rope_head_dim", "must be even (RoPE rotates pairs of channels).")
+    if fp4_size_problem(c):
+        fail(*fp4_size_problem(c))
     if c.quantization and c.attention_bias:
         fail("attention_bias", "with fp8 weights (quantization_config) is not supported; DeepSeek's release has no attention bias.")
     if c.n_routed_experts % c.n_group:

@@ -44,7 +44,7 @@ from . import deepseek_v3
 from .deepseek_v3 import routed_experts, rope_frequencies
 from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from .parallel import Layout, rank_buffers
-from .quantization import expert_weights
+from .quantization import expert_weights, linear, linear_weight, stacked_experts
 
 
 class RMSNorm(deepseek_v3.RMSNorm):
@@ -159,7 +159,7 @@ class Indexer(nn.Module):
         super().__init__()
         c = config
         self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
-        self.wq_b = nn.Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, bias=False)
+        self.wq_b = linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, c.quantization)
         self.weights_proj = nn.Linear(c.hidden_size, c.index_n_heads, bias=False)
         self.compressor = Compressor(c, c.index_head_dim, c.compress_rate_csa, overlap=True)
 
@@ -186,13 +186,14 @@ class Attention(nn.Module):
         c = config
         self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads, c.head_dim, c.sliding_window, c.rms_norm_eps
         self.rate, self.groups = c.compress_rate(attention_type), c.o_groups
-        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        q = c.quantization  # fp8 in DeepSeek's release; the compressors and the indexer's scoring stay bf16
+        self.wq_a = linear(c.hidden_size, c.q_lora_rank, q)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, bias=False)
-        self.wkv = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.wq_b = linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, q)
+        self.wkv = linear(c.hidden_size, c.head_dim, q)
         self.norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.wo_a = nn.Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.wo_a = linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, q)
+        self.wo_b = linear(c.o_groups * c.o_lora_rank, c.hidden_size, q)
         self.attn_sink = nn.Parameter(torch.empty(c.num_attention_heads, dtype=torch.float32))
         if self.rate:
             self.compressor = Compressor(c, c.head_dim, self.rate, overlap=attention_type == CSA)
@@ -248,7 +249,7 @@ class Attention(nn.Module):
         out = torch.einsum("nthk,nkd->nthd", probs, keys).reshape(N * T, H, Dh)
         out = apply_rope(out, cos[:, None], -sin[:, None])  # V carried the keys' rotation: undo it at the query
         grouped = out.view(N * T, self.groups, -1)  # [R, g, H Dh / g]
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H Dh / g]
+        w = linear_weight(self.wo_a, grouped.dtype).view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H Dh / g]
         return self.wo_b(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
 
 
@@ -308,9 +309,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.limit = config.swiglu_limit
         hidden = config.moe_intermediate_size // tp
-        self.w1 = nn.Linear(config.hidden_size, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(config.hidden_size, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, config.hidden_size, bias=False)  # down
+        self.w1 = linear(config.hidden_size, hidden, config.quantization)  # gate
+        self.w3 = linear(config.hidden_size, hidden, config.quantization)  # up
+        self.w2 = linear(hidden, config.hidden_size, config.quantization)  # down
 
     def forward(self, x):
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
@@ -328,8 +329,8 @@ class MoE(nn.Module):
         E, I = c.n_routed_experts // layout.ep, c.moe_intermediate_size
         self.n_local_experts = E
         self.gate = Gate(c, hashed)
-        self.experts_w13 = nn.Parameter(torch.empty(E, 2 * I, c.hidden_size))  # w1 (gate) rows, then w3 (up) rows
-        self.experts_w2 = nn.Parameter(torch.empty(E, c.hidden_size, I))
+        stacked_experts(self, "experts_w13", E, 2 * I, c.hidden_size, c.quantization)  # w1 (gate) rows, then w3 (up) rows
+        stacked_experts(self, "experts_w2", E, c.hidden_size, I, c.quantization)
         self.shared_experts = SharedExpert(c, layout.tp)
         self.init_buffers()
 
@@ -341,7 +342,8 @@ class MoE(nn.Module):
     def forward(self, x, tokens):
         weights, ids = self.gate(x, tokens)  # [R, k] each
         activation = partial(clamped_swiglu, limit=self.limit)
-        w13, w2 = expert_weights(self, "experts_w13", x.dtype, None), expert_weights(self, "experts_w2", x.dtype, None)
+        q = self.config.quantization
+        w13, w2 = expert_weights(self, "experts_w13", x.dtype, q), expert_weights(self, "experts_w2", x.dtype, q)
         routed = routed_experts(self, x, weights, ids, w13, w2, activation)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from .config_checks import ConfigError, check_fields, check_rope
 from .deepseek_v3_config import RopeConfig
+from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_quantization
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 ATTENTION_TYPES = (SLIDING, CSA, HCA)
@@ -53,6 +54,7 @@ class DeepseekV4Config:
     eos_token_id: int | None = 1
     rope: RopeConfig = field(default_factory=RopeConfig)  # "main": sliding layers
     compress_rope: RopeConfig = field(default_factory=lambda: RopeConfig(rope_theta=160000.0, attention_factor=1.0))
+    quantization: Fp8Blocks | None = None  # the checkpoint's fp8 / fp4 weights (models/quantization.py)
 
     def compress_rate(self, attention_type: str) -> int:
         """Positions pooled into one compressed entry (0: the layer keeps none)."""
@@ -78,9 +80,14 @@ class DeepseekV4Config:
         """Sizes split over tp ranks: the shared expert and the LM head (attention is replicated)."""
         return {"moe_intermediate_size": self.moe_intermediate_size, "vocab_size": self.vocab_size}
 
+    def row_parallel_inputs(self) -> dict[str, int]:
+        """Input widths of the weights split by columns over tp: the shared expert's w2."""
+        return {"moe_intermediate_size": self.moe_intermediate_size}
+
     def to_dict(self) -> dict:
         """HF-style dict that `from_dict` reads back unchanged."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope", "compress_rope", "qk_rope_head_dim")}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("rope", "compress_rope", "qk_rope_head_dim", "quantization")}
         out.update(model_type="deepseek_v4", layer_types=list(self.layer_types), mlp_layer_types=list(self.mlp_layer_types),
                    partial_rotary_factor=self.qk_rope_head_dim / self.head_dim, rope_theta=self.rope.rope_theta,
                    compress_rope_theta=self.compress_rope.rope_theta)
@@ -88,6 +95,8 @@ class DeepseekV4Config:
             out.pop(key)
         out["compress_rates"] = {CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}
         out["rope_parameters"] = {"main": _rope_dict(self.rope), "compress": _rope_dict(self.compress_rope)}
+        if self.quantization:
+            out["quantization_config"] = self.quantization.to_dict()
         return out
 
     @classmethod
@@ -101,23 +110,25 @@ class DeepseekV4Config:
         if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
             raise ConfigError(f"{source}: model_type is {raw['model_type']!r}, but model.arch deepseek_v4 reads 'deepseek_v4' "
                               "checkpoints only. Set model.arch to match the checkpoint.")
-        if raw.get("quantization_config"):
-            quantization = raw["quantization_config"]
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-            raise ConfigError(f"{source}: quantization_config (quant_method={method!r}): DeepSeek's fp8/fp4 release weights are "
-                              "not supported yet. Dequantize the checkpoint to bfloat16 first.")
+        quantization_config = raw.get("quantization_config")
+        if isinstance(quantization_config, dict) and "expert_dtype" in raw and "expert_dtype" not in quantization_config:
+            quantization_config = {**quantization_config, "expert_dtype": raw["expert_dtype"]}  # V4's place for it
+        try:
+            quantization = parse_quantization(quantization_config, source)
+        except QuantizationError as err:
+            raise ConfigError(str(err)) from None
         for key, allowed in {"hidden_act": ("silu",), "num_key_value_heads": (1,), "attention_bias": (False,),
                              "mlp_bias": (False,)}.items():
             if key in raw and raw[key] not in allowed:
                 raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
-        known = {f.name for f in fields(cls)} - {"rope", "compress_rope", "layer_types", "mlp_layer_types"}
+        known = {f.name for f in fields(cls)} - {"rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization"}
         values = {k: raw[k] for k in known if raw.get(k) is not None}
         if isinstance(values.get("eos_token_id"), list) and values["eos_token_id"]:
             values["eos_token_id"] = values["eos_token_id"][0]
         if raw.get("eos_token_id", 1) is None:
             values["eos_token_id"] = None
         _fold_legacy(raw, values, source)
-        config = cls(**values, rope=_main_rope(raw, source), compress_rope=_compress_rope(raw, source))
+        config = cls(**values, rope=_main_rope(raw, source), compress_rope=_compress_rope(raw, source), quantization=quantization)
         _check_values(config, source)
         return config
 
@@ -203,10 +214,10 @@ def _rope_dict(rope: RopeConfig) -> dict:
 
 LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 << 22, "num_attention_heads": 1024,
           "max_position_embeddings": 1 << 24, "hc_mult": 16, "hc_sinkhorn_iters": 100}
-_READ_KEYS = ({f.name for f in fields(DeepseekV4Config)} - {"rope", "compress_rope"}) | {
+_READ_KEYS = ({f.name for f in fields(DeepseekV4Config)} - {"rope", "compress_rope", "quantization"}) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "compress_rope_theta", "compress_rates",
     "compress_ratios", "num_hash_layers", "partial_rotary_factor", "hidden_act", "num_key_value_heads",
-    "attention_bias", "mlp_bias", "quantization_config"}
+    "attention_bias", "mlp_bias", "quantization_config", "expert_dtype"}
 
 
 def _check_values(c: DeepseekV4Config, source: str):
@@ -214,7 +225,9 @@ def _check_values(c: DeepseekV4Config, source: str):
     def fail(key, message):
         raise ConfigError(f"{source}: {key}={getattr(c, key, None)!r} {message}")
 
-    check_fields(c, source, skip=("rope", "compress_rope", "layer_types", "mlp_layer_types"),
+    if fp4_size_problem(c):
+        fail(*fp4_size_problem(c))
+    check_fields(c, source, skip=("rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization"),
                  optional=("bos_token_id", "eos_token_id"), non_negative=("bos_token_id", "eos_token_id"), limits=LIMITS)
     if c.scoring_func not in SCORING_FUNCS:
         fail("scoring_func", f"is not supported (one of {SCORING_FUNCS}).")

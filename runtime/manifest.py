@@ -29,7 +29,7 @@ from .errors import DeepinferError
 MAGIC = "deepinfer-bundle"
 SCHEMA_VERSION = 1
 SIGNATURE_FILE = "manifest.json.hmac"  # HMAC-SHA256 of manifest.json under a deploy key (optional)
-TENSOR_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool", "float8_e4m3fn")
+TENSOR_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool", "float8_e4m3fn", "uint8")
 
 
 class BundleError(DeepinferError):

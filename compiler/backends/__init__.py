@@ -13,7 +13,8 @@ The contract every backend module keeps, so the compile worker can drive any of 
                                        before anything compiles (the testing aid inject_fault is checked
                                        here, by options_problem, and never reaches the backend's)
     compile(program, options, out)     ExportedProgram of one region (weights are inputs) -> file `out`
-    transform_weight(name, tensor) -> tensor (optional)
+    transform_weight(name, tensor, scales_for) -> tensor (optional; scales_for: the dtype of the
+                                       weight a `_scale_inv` tensor scales, else None)
                                        how the bundle stores a weight for this backend's hardware
                                        (neuron: fp8 re-encoded for trn2), applied as weights are written
 

@@ -10,7 +10,7 @@ binade), whose halves fall between two IEEE codes and round to the even one: an 
 
 import torch
 
-from deepinfer.models.quantization import FP8, SCALE_SUFFIX
+from deepinfer.models.quantization import E8M0, FP8
 
 EXPONENT_BIAS = 7
 
@@ -45,11 +45,17 @@ def _halving_table() -> torch.Tensor:
 HALVED = _halving_table()  # e4m3fn code -> IEEE e4m3 code of half its value
 
 
-def to_trn2(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A bundle weight as trn2 reads it: fp8 bytes re-encoded halved, their scales doubled; any
-    other tensor unchanged."""
+def to_trn2(name: str, tensor: torch.Tensor, scales_for: torch.dtype | None = None) -> torch.Tensor:
+    """A bundle weight as trn2 reads it: fp8 bytes re-encoded halved, and the scales of fp8
+    weights (`scales_for` is the dtype of the weight a scale tensor belongs to) doubled: float32
+    times 2, e8m0 bytes plus 1 (the field notes' "ue8m0 + 1"). Anything else (fp4 experts and
+    their scales included) unchanged."""
     if tensor.dtype == FP8:
         return HALVED[tensor.view(torch.uint8).int()].view(FP8)
-    if name.endswith(SCALE_SUFFIX):
-        return tensor * 2
-    return tensor
+    if scales_for != FP8:
+        return tensor
+    if tensor.dtype == E8M0:
+        if int(tensor.max()) >= 254:  # 2^127 doubled is past e8m0 (255 is NaN)
+            raise ValueError(f"{name}: an e8m0 scale of 2^127 or NaN cannot be doubled for trn2.")
+        return tensor + 1
+    return tensor * 2

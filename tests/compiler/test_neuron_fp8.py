@@ -3,6 +3,7 @@ every one of the 256 codes, the scales, and the round trip back through torch's 
 
 import math
 
+import pytest
 import torch
 
 from deepinfer.compiler.backends import backend_module
@@ -39,11 +40,17 @@ def test_round_trip_through_torch_e4m3fn_restores_every_exact_code():
         assert back == code, hex(code)
 
 
-def test_to_trn2_rewrites_weights_and_doubles_their_scales_only():
+def test_to_trn2_rewrites_fp8_weights_and_doubles_their_scales_only():
     weight = torch.arange(256, dtype=torch.uint8).view(FP8).reshape(16, 16)
-    scales = torch.tensor([[0.5, 3.0]])
     assert torch.equal(to_trn2("layers.1.o_proj.weight", weight).view(torch.uint8).flatten(), HALVED)
-    assert torch.equal(to_trn2("layers.1.o_proj.weight_scale_inv", scales), torch.tensor([[1.0, 6.0]]))
+    scales = torch.tensor([[0.5, 3.0]])
+    assert torch.equal(to_trn2("layers.1.o_proj.weight_scale_inv", scales, FP8), torch.tensor([[1.0, 6.0]]))
+    e8m0 = torch.tensor([[0, 127, 200]], dtype=torch.uint8)  # 2^-127, 1, 2^73
+    assert to_trn2("layers.1.attn.wq_a.weight_scale_inv", e8m0, FP8).tolist() == [[1, 128, 201]]
+    fp4_scales = torch.tensor([[127]], dtype=torch.uint8)  # fp4 experts are not re-encoded, nor their scales
+    assert to_trn2("layers.1.ffn.experts_w2_scale_inv", fp4_scales, torch.uint8) is fp4_scales
+    with pytest.raises(ValueError, match="cannot be doubled"):
+        to_trn2("layers.1.attn.wq_a.weight_scale_inv", torch.tensor([254], dtype=torch.uint8), FP8)
     router = torch.randn(8, 4)
     assert to_trn2("layers.1.mlp.gate.weight", router) is router
     assert backend_module("neuron").transform_weight is to_trn2  # what the compiler applies to a neuron bundle's weights

@@ -149,8 +149,9 @@ def test_a_bad_checkpoint_stops_the_compile_before_any_region_compiles(checkpoin
     assert "compiling" not in run.stderr and not (tmp_path / "cache" / "work").exists()  # nothing traced or compiled
 
 
-def test_quantized_deepseek_v4_weights_are_refused_naming_the_key(tmp_path):
-    """DeepSeek's release stores most weights fp8 (and experts fp4): refused before tracing, not misread."""
+def test_a_v4_fp8_weight_without_scales_or_format_is_refused_naming_the_key(tmp_path):
+    """An fp8 tensor with no scales, or a quantization_config that is not the release's: refused
+    before tracing, not misread."""
     from deepinfer.models import check_checkpoint
     from deepinfer.models.deepseek_v4_config import TINY_V4_CONFIG
 
@@ -160,8 +161,8 @@ def test_quantized_deepseek_v4_weights_are_refused_naming_the_key(tmp_path):
     key = "model.layers.1.attn.wq_a.weight"
     weights[key] = weights[key].to(torch.float8_e4m3fn)
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=rf"weight '{key}' is fp8 but its block scales '{key}_scale_inv' are missing"):
+    with pytest.raises(CheckpointError, match=rf"weight '{key}' is fp8 but its scales '{key}_scale_inv' are missing"):
         check_checkpoint(tmp_path, build_model("deepseek_v4", checkpoint=tmp_path, device="meta"))
     edit_config(tmp_path, quantization_config={"quant_method": "fp8"})
-    with pytest.raises(ConfigError, match=r"quantization_config \(quant_method='fp8'\).*not supported yet"):
+    with pytest.raises(ConfigError, match=r"quantization_config\.fmt=None is not supported"):
         build_model("deepseek_v4", checkpoint=tmp_path, device="meta")

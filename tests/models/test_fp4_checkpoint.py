@@ -51,8 +51,9 @@ def test_v4_experts_stay_fp4_and_match_transformers_in_eager(v4_release):
     assert_prefill_logits_match(hf, kept, build_model("deepseek_v4", checkpoint=release, quantized_weights="dequantize"))
 
 
-@pytest.mark.parametrize("world_size", [1, 2])  # (dequantize-at-compile reads through the same code: the eager test)
-def test_v4_compiled_tokens_equal_transformers(v4_release, tmp_path, cache_dir, world_size):
+def test_v4_compiled_at_world_size_2_gives_the_tokens_of_transformers(v4_release, tmp_path, cache_dir):
+    """Kept fp4 experts split over ep=2 (world size 1 passes too: left out of CI for its minute;
+    dequantize-at-compile reads through the same code as the eager test's dequantized model)."""
     release, _, expected = v4_release
-    bundle = compile_fp8(release, tmp_path, cache_dir, "export", "keep", world_size, arch="deepseek_v4")
+    bundle = compile_fp8(release, tmp_path, cache_dir, "export", "keep", 2, arch="deepseek_v4")
     assert run_tokens(bundle, PROMPTS) == expected

@@ -1,7 +1,7 @@
 """DeepSeek-V3 fp8 weights on CPU, side by side on the same weights (the ~100M config of
 decode_bench.py, written in DeepSeek's fp8 release format): bundle weight bytes per parameter and
 decode ms/token for the weights kept fp8 (dequantized inside each region, float32 compute),
-dequantized at compile time to bfloat16, and to float32; and the compiler's peak memory.
+dequantized at compile time to bfloat16, and to float32. (Compile memory: compile_memory.py.)
 
     .venv/bin/python bench/fp8_bench.py      # ~10 minutes cold on 2 cores (3 inductor bundles)
 
@@ -12,11 +12,11 @@ Measured here (2 cores, AVX512 without fp8 instructions; the test writer stores 
 embedding and head in float32, half of this small model's 98M parameters, hence 2.5 bytes a
 parameter in the checkpoint):
 
-| weights | bundle bytes / parameter | decode ms/token | vs fp8 kept | compiler peak RSS MiB |
-|---|---|---|---|---|
-| fp8 kept | 2.52 | 9.92 | 1.00x | 1397 |
-| dequantized bf16 | 2.00 | 6.18 | 0.62x | 1397 |
-| dequantized f32 | 4.00 | 8.79 | 0.89x | 1397 |
+| weights | bundle bytes / parameter | decode ms/token | vs fp8 kept |
+|---|---|---|---|
+| fp8 kept | 2.52 | 9.92 | 1.00x |
+| dequantized bf16 | 2.00 | 6.18 | 0.62x |
+| dequantized f32 | 4.00 | 8.79 | 0.89x |
 
 Keeping fp8 is slower here though it reads a quarter of the bytes: x86 before AVX10.2 has no
 e4m3 conversion instruction, so inductor's vectorized convert emulates it with integer ops, and
@@ -26,7 +26,6 @@ dequant-GEMV that wins needs a cheaper decode: a byte-indexed table permute (AVX
 vpermi2w to bf16), or hardware fp8 (AVX10.2, AMX-FP8, Trainium, recent GPUs).
 """
 
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import load_recipe
 from deepinfer.runtime.executor import BundleExecutor
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -57,15 +58,7 @@ def release_checkpoint(work: Path) -> tuple[Path, int]:
     return work / "release", sum(p.numel() for p in hf.parameters())
 
 
-# deepinfer-compile in a process of its own, which prints its peak RSS (the weights are written
-# there; regions compile in worker processes)
-COMPILE_MEASURING_RSS = ("import resource, sys; from deepinfer.compiler.cli import main\n"
-                         "try:\n    main()\nexcept SystemExit as end:\n    assert not end.code, end.code\n"
-                         "print('peak_rss_mib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
-
-
-def compile_variant(work: Path, checkpoint: Path, name: str, mode: str, dtype: str) -> tuple[Path, int]:
-    """The bundle, and the compiler's peak RSS in MiB."""
+def compile_variant(work: Path, checkpoint: Path, name: str, mode: str, dtype: str) -> Path:
     slug = name.replace(" ", "-")
     recipe = {"name": slug, "model": {"checkpoint": str(checkpoint), "quantized_weights": mode}, "dtype": dtype,
               "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [32]}}, "kv": {"max_seqs": 1, "max_len": 128},
@@ -73,10 +66,9 @@ def compile_variant(work: Path, checkpoint: Path, name: str, mode: str, dtype: s
     path = work / f"{slug}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", COMPILE_MEASURING_RSS, str(path), "--cache-dir", str(work / "cache")],
-                         capture_output=True, text=True, check=True)
+    bundle = compile_recipe(load_recipe(path), cache_dir=work / "cache", progress=False).bundle
     print(f"compiled {name} in {time.perf_counter() - start:.0f} s", flush=True)
-    return work / slug, int(run.stdout.split("peak_rss_mib")[-1])
+    return bundle
 
 
 def main():
@@ -84,8 +76,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="deepinfer-fp8-bench-") as tmp:
         work = Path(tmp)
         checkpoint, params = release_checkpoint(work)
-        compiled = {name: compile_variant(work, checkpoint, name, *variant) for name, variant in VARIANTS.items()}
-        bundles = {name: bundle for name, (bundle, _) in compiled.items()}
+        bundles = {name: compile_variant(work, checkpoint, name, *variant) for name, variant in VARIANTS.items()}
         sizes = {name: sum(f.stat().st_size for f in (b / "weights").iterdir()) for name, b in bundles.items()}
         checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
         executors = {name: BundleExecutor(b) for name, b in bundles.items()}
@@ -97,10 +88,9 @@ def main():
     print(f"\nDeepSeek-V3 {params / 1e6:.0f}M parameters (release fp8 checkpoint: {checkpoint_bytes / params:.2f} bytes a "
           f"parameter), batch 1, context {PROMPT_LEN}..{PROMPT_LEN + STEPS}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; ms per token (median of {STEPS})")
-    print(f"(the whole model in float32: {params * 4 / 2**20:.0f} MiB)")
-    print("| weights | bundle bytes / parameter | decode ms/token | vs fp8 kept | compiler peak RSS MiB |\n|---|---|---|---|---|")
+    print("| weights | bundle bytes / parameter | decode ms/token | vs fp8 kept |\n|---|---|---|---|")
     for name in VARIANTS:
-        print(f"| {name} | {sizes[name] / params:.2f} | {ms[name]:.2f} | {ms[name] / ms['fp8 kept']:.2f}x | {compiled[name][1]} |")
+        print(f"| {name} | {sizes[name] / params:.2f} | {ms[name]:.2f} | {ms[name] / ms['fp8 kept']:.2f}x |")
 
 
 if __name__ == "__main__":

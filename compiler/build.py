@@ -258,7 +258,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
             if split:
                 size = shape[split[0]] // split[1]
                 part = (split[0], layout.shard_index(name, rank) * size, size)
-            return read_weight(weights, full, name, shape, part).to(stored_dtype(full, name, DTYPES[recipe.dtype]))
+            return read_weight(weights, full, name, part).to(stored_dtype(full, name, DTYPES[recipe.dtype]))
     else:
         model = _model(recipe, "cpu")
 

@@ -111,7 +111,7 @@ def build_model(
             if weights is None:
                 tensor = torch.empty(param.shape, dtype=param_dtype)
             else:
-                tensor = read_weight(weights, model, name, tuple(param.shape)).to(param_dtype)
+                tensor = read_weight(weights, model, name).to(param_dtype)
             set_parameter(model, name, tensor)
         model.tie_weights()
         init_buffers(model)
@@ -141,14 +141,12 @@ def check_checkpoint(checkpoint: str | Path, model):
     for name, param in model.named_parameters():
         if name.endswith(SCALE_SUFFIX):
             continue  # checked with its weight
-        logical = (*param.shape[:-1], param.shape[-1] * 2) if param.dtype == FP4 else tuple(param.shape)
-        for key, shape in checkpoint_keys(weights, model, name, logical):
+        for key, shape in checkpoint_keys(weights, model, name, _logical_shape(param)):
             _check_tensor(weights, key, shape, param.dtype)
 
 
-def read_weight(weights: SafetensorsDir, model, name: str, shape: tuple,
-                part: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Our parameter `name` (full `shape`), read from the checkpoint's layout and shape-checked;
+def read_weight(weights: SafetensorsDir, model, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Our parameter `name` (of `model`, full shapes), read from the checkpoint's layout and shape-checked;
     with part=(dim, start, length) only that slice is read. A quantized checkpoint tensor (fp8, or
     fp4 packed two a byte) stays so where the model keeps it (its `_scale_inv` parameter reads the
     scales, fp8 ones row-expanded) and is dequantized otherwise."""
@@ -156,7 +154,7 @@ def read_weight(weights: SafetensorsDir, model, name: str, shape: tuple,
     weight_name = name.removesuffix(SCALE_SUFFIX)
     param = model.get_parameter(weight_name)
     kept = param.dtype in (FP8, FP4)
-    logical = (*param.shape[:-1], param.shape[-1] * 2) if param.dtype == FP4 else tuple(param.shape)
+    logical = _logical_shape(param)
 
     def read(key, key_shape):  # key_shape: the logical [out, in]
         scale_key = _check_tensor(weights, key, key_shape, param.dtype)
@@ -180,6 +178,11 @@ def read_weight(weights: SafetensorsDir, model, name: str, shape: tuple,
         return read(key, key_shape).narrow(*part)
     _check_tensor(weights, key, key_shape, param.dtype)
     return weights.get_slice(key, *part)
+
+
+def _logical_shape(param: torch.Tensor) -> tuple:
+    """A weight's [..., out, in], also for fp4 kept packed two codes a byte ([..., out, in/2])."""
+    return (*param.shape[:-1], param.shape[-1] * 2) if param.dtype == FP4 else tuple(param.shape)
 
 
 BLOCK = 128  # the only fp8 block size read (models/quantization.parse_quantization refuses others)

@@ -26,7 +26,7 @@ from .deepseek_v3_config import TINY_CONFIG, ConfigError, DeepseekV3Config
 from .deepseek_v4 import DeepseekV4
 from .deepseek_v4_config import TINY_V4_CONFIG, DeepseekV4Config
 from .parallel import Layout, LayoutError
-from .quantization import FP4, FP4_GROUP, FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
+from .quantization import BLOCK, FP4, FP4_GROUP, FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED_WEIGHTS = ("keep", "dequantize")  # recipe model.quantized_weights: fp8 in the bundle, or the recipe's dtype
@@ -185,7 +185,6 @@ def _logical_shape(param: torch.Tensor) -> tuple:
     return (*param.shape[:-1], param.shape[-1] * 2) if param.dtype == FP4 else tuple(param.shape)
 
 
-BLOCK = 128  # the only fp8 block size read (models/quantization.parse_quantization refuses others)
 _QUANTIZED = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "F4")
 _FP4 = ("I8", "U8")  # how checkpoints store fp4 e2m1 pairs
 

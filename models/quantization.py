@@ -47,7 +47,8 @@ class Fp8Blocks:
         return out | {"scale_fmt": self.scale_fmt, "expert_dtype": self.expert_dtype}
 
 
-SUPPORTED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+BLOCK = 128  # the fp8 block edge of DeepSeek's releases, the only one read
+SUPPORTED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 CHOICES = {"scale_fmt": ("float", "ue8m0"), "expert_dtype": ("fp8", "fp4")}  # optional keys, default first
 
 
@@ -66,7 +67,7 @@ def parse_quantization(raw, source: str) -> Fp8Blocks | None:
     for key, allowed in CHOICES.items():
         if raw.get(key, allowed[0]) not in allowed:
             raise QuantizationError(f"{source}: quantization_config.{key}={raw[key]!r} is not supported; choose one of {list(allowed)}.")
-    return Fp8Blocks(128, raw.get("scale_fmt", "float"), raw.get("expert_dtype", "fp8"))
+    return Fp8Blocks(BLOCK, raw.get("scale_fmt", "float"), raw.get("expert_dtype", "fp8"))
 
 
 def blocks(n: int, block: int) -> int:

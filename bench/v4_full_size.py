@@ -52,7 +52,7 @@ def sizes(config: dict) -> dict:
     out = {}
     for label, max_len in (("state_per_slot_64k_mib", 1 << 16), ("state_per_slot_1m_mib", 1 << 20)):
         model = build_model("deepseek_v4", config=config, dtype="bfloat16", device="fake")
-        per_slot = sum(_numel(shape[1:]) * dtype.itemsize for layer in model.state_specs(1, max_len) for _, shape, dtype in layer)
+        per_slot = sum(_numel(s.shape[1:]) * s.dtype.itemsize for layer in model.state_specs(1, max_len) for s in layer)
         out[label] = round(per_slot / 2**20, 1)
     rank0 = build_model("deepseek_v4", config=config, dtype="bfloat16", device="fake", layout=Layout(64, 1, 64))
     out["weights_per_rank_gib_at_ep64"] = round(sum(p.numel() * p.dtype.itemsize for p in rank0.parameters()) / 2**30, 2)

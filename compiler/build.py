@@ -80,7 +80,7 @@ class Summary:
 def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
     m = recipe.model
     return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype,
-                       device=device, layout=layout, quantized_weights=m["quantized_weights"])
+                       device=device, layout=layout, quantized_weights=m["quantized_weights"], expert_capacity=m["expert_capacity"])
 
 
 def _layout(recipe: Recipe) -> Layout:
@@ -96,17 +96,21 @@ def plan(recipe: Recipe) -> Plan:
         raise RecipeError(f"{recipe.name}: {err}") from None
     if recipe.model["checkpoint"]:
         check_checkpoint(recipe.model["checkpoint"], _model(recipe, "meta"))
-    state = [[StateTensor(name, list(shape), _dtype_name(dtype)) for name, shape, dtype in layer]
+    state = [[StateTensor(s.name, list(s.shape), _dtype_name(s.dtype), s.positions_per_entry) for s in layer]
              for layer in model.state_specs(recipe.kv["max_seqs"], recipe.kv["max_len"])]
     _check_state_pool(recipe, state)
     backend = backend_module(recipe.backend)
     toolchain = {**toolchain_versions(), **backend.versions()}
     options = backend.options(recipe.backend_options)
-    programs, units = trace.trace_programs(model, recipe.buckets, recipe.kv["max_seqs"], recipe.kv["max_len"], recipe.split_layers)
+    programs, units = trace.trace_programs(model, recipe.buckets, recipe.contexts, recipe.kv["max_seqs"], recipe.kv["max_len"],
+                                           recipe.split_layers)
+    # Splitting off the state-free part pays only where it dedups: layer units shared by contexts.
+    context_inputs = _context_inputs(programs, state) if recipe.split_layers else {}
     split = {}
     regions, region_paths = {}, {}
     for key, unit in units.items():
-        unit_regions = split_unit(unit.program.graph_module, unit.module_path, recipe.boundaries)
+        unit_regions = split_unit(unit.program.graph_module, unit.module_path, recipe.boundaries, model.STATE_FREE_FROM,
+                                  context_inputs.get(key, frozenset()))
         fps = ["" if r.collective else fingerprint(r.graph_module, recipe.backend, options, toolchain)
                for r in unit_regions.regions]
         for fp, region in zip(fps, unit_regions.regions):
@@ -125,6 +129,19 @@ def plan(recipe: Recipe) -> Plan:
     kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], 0, [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], 0], recipe.dtype)
     weight_names = sorted({w for p in programs for call in p.calls for w in call.weights})
     return Plan(schedules, regions, toolchain, options, region_paths, weight_names, kv, state, model.config.to_dict())
+
+
+def _context_inputs(programs: list[trace.TracedProgram], state: list[list[StateTensor]]) -> dict[str, frozenset[int]]:
+    """Unit key -> the graph inputs (lifted weights first) that are context-sized state views, for
+    the units of programs traced under a context bucket."""
+    sized = {f"kv.{i}.{t.name}" for i, layer in enumerate(state) for t in layer if t.positions_per_entry}
+    found = {}
+    for program in programs:
+        if program.context is None:
+            continue
+        for call in program.calls:
+            found.setdefault(call.unit, frozenset(i for i, name in enumerate(call.weights + call.inputs) if name in sized))
+    return found
 
 
 STATE_POOL_LIMIT = 1 << 40  # bytes per rank; no host holds more
@@ -178,7 +195,7 @@ def _schedule(program: trace.TracedProgram, split: dict, hierarchical: bool) -> 
             if collective and collective["op"] == "all_reduce" and collective["group"] == "world" and hierarchical:
                 collective = {**collective, "hierarchical": True}
             steps.append(ScheduleStep(fps[r], [name(ref) for ref in region.inputs], outputs, collective))
-    return Program(program.method, program.bucket, program.inputs, program.output, steps)
+    return Program(program.method, program.bucket, program.inputs, program.output, steps, program.context)
 
 
 def _dtypes(program: Program, regions: dict) -> dict[str, str]:
@@ -297,7 +314,7 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
                           [_spec(v) for v in output_values(gm)]) for fp, gm in the_plan.regions.items()}
     manifest = Manifest(
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
-        parallel=recipe.parallel, buckets=recipe.buckets, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
+        parallel=recipe.parallel, buckets=recipe.buckets, contexts=recipe.contexts, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
         weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if "tokenizer.json" in carried else None,
         vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
         chat_template="chat_template.json" if "chat_template.json" in carried else None,

@@ -11,6 +11,7 @@ import click
 import torch
 
 from deepinfer.models import ARCHS, build_model
+from deepinfer.models.state import allocate, context_view
 from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.tokenizer import load_tokenizer
 
@@ -20,17 +21,20 @@ class EagerExecutor:
 
     def __init__(self, model, max_seqs: int, max_len: int):
         self.model = model
-        self.state = model.new_state(max_seqs, max_len)
+        self.specs = model.state_specs(max_seqs, max_len)
+        self.state = allocate(self.specs)
 
     @torch.inference_mode()
     def run(self, step):
-        method = getattr(self.model, step.method)
-        return method(*step.inputs(), self.state)
+        """A step with a context bucket runs on the same views of the state a bundle binds."""
+        state = [[context_view(t, s, step.context) for t, s in zip(ts, ss)] for ts, ss in zip(self.state, self.specs)]
+        return getattr(self.model, step.method)(*step.inputs(), state)
 
 
-def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_seqs=4, max_len=256) -> Engine:
+def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_seqs=4, max_len=256,
+                 contexts: dict[str, list[int]] | None = None) -> Engine:
     executor = EagerExecutor(model, max_seqs, max_len)
-    return Engine(executor, prefill_buckets, decode_buckets, max_seqs, max_len, model.config.eos_token_id)
+    return Engine(executor, prefill_buckets, decode_buckets, max_seqs, max_len, model.config.eos_token_id, contexts=contexts)
 
 
 @click.command()

@@ -2,7 +2,7 @@
 
 Covered: every op and its literal arguments, the wiring between nodes (by position, not name),
 input and output shapes, dtypes and strides, the backend, its options, and the toolchain
-versions. Ignored: weight VALUES (weights are inputs), node names, source locations and module
+versions; a torch.cond branch by its own graph. Ignored: weight VALUES (weights are inputs), node names, source locations and module
 paths — so all layers of a kind, and every rank, share one region.
 """
 
@@ -14,6 +14,12 @@ from torch import fx
 
 
 def fingerprint(graph_module: fx.GraphModule, backend: str, options: dict, toolchain: dict) -> str:
+    payload = json.dumps({"graph": _graph(graph_module), "backend": backend, "options": options, "toolchain": toolchain},
+                         sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _graph(graph_module: fx.GraphModule) -> list:
     index = {}
     lines = []
     for i, node in enumerate(graph_module.graph.nodes):
@@ -25,14 +31,17 @@ def fingerprint(graph_module: fx.GraphModule, backend: str, options: dict, toolc
             lines.append(["out", _literal(node.args, index)])
         elif node.op == "call_function":
             lines.append([_target(node.target), _literal(node.args, index), _literal(node.kwargs, index), _value(value)])
-        else:  # get_attr / call_module do not appear in exported regions; refuse rather than hash badly
+        elif node.op == "get_attr" and isinstance(getattr(graph_module, node.target, None), fx.GraphModule):
+            lines.append(["subgraph", _graph(getattr(graph_module, node.target))])  # a torch.cond branch: by its content
+        else:  # weights are inputs, so nothing else is held; refuse rather than hash badly
             raise ValueError(f"cannot fingerprint a {node.op} node ({node.target}) in a region")
-    payload = json.dumps({"graph": lines, "backend": backend, "options": options, "toolchain": toolchain}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+    return lines
 
 
 def _target(target) -> str:
-    return str(target) if isinstance(target, torch._ops.OpOverload) else f"{target.__module__}.{target.__qualname__}"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return str(target) if isinstance(target, torch._ops.OpOverload) else f"higher_order.{target.name()}"
+    return f"{target.__module__}.{target.__qualname__}"
 
 
 def _tensor(value) -> list:

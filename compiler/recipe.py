@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from deepinfer.models import QUANTIZED_WEIGHTS, model_config
+from deepinfer.models.moe import DEFAULT_CAPACITY
 from deepinfer.runtime.errors import DeepinferError
 
 from .backends import BACKENDS, backend_module, options_problem
@@ -30,10 +31,11 @@ class RecipeError(DeepinferError):
 @dataclass
 class Recipe:
     name: str
-    model: dict  # arch, checkpoint | config, seed, quantized_weights
+    model: dict  # arch, checkpoint | config, seed, quantized_weights, expert_capacity
     dtype: str
     parallel: dict  # world_size, tp, ep
     buckets: dict[str, list[int]]  # method -> sorted buckets
+    contexts: dict[str, list[int]]  # method -> sorted context buckets (ending at kv.max_len); absent: whole pool
     kv: dict  # max_seqs, max_len
     split_layers: bool
     boundaries: list[dict]
@@ -48,10 +50,10 @@ REQUIRED = object()
 SCHEMA = {
     "name": (str, REQUIRED),
     "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0),
-              "quantized_weights": (str, "keep")},
+              "quantized_weights": (str, "keep"), "expert_capacity": (float, DEFAULT_CAPACITY)},
     "dtype": (str, "float32"),
     "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0)},
-    "methods": {"decode": {"buckets": (list, REQUIRED)}, "prefill": {"buckets": (list, REQUIRED)}},
+    "methods": {m: {"buckets": (list, REQUIRED), "context": (list, None)} for m in ("decode", "prefill")},
     "kv": {"max_seqs": (int, REQUIRED), "max_len": (int, REQUIRED)},
     "regions": {"split_layers": (bool, True), "boundaries": (list, [])},
     "backend": {"name": (str, "inductor"), "options": (dict, {})},
@@ -103,21 +105,12 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     if model["quantized_weights"] not in QUANTIZED_WEIGHTS:
         fail("model.quantized_weights", f"{model['quantized_weights']!r}: choose keep (a checkpoint's fp8 weights stay fp8 in the "
              "bundle, dequantized inside the regions) or dequantize (converted to the recipe's dtype at compile time).")
+    if not 0 < model["expert_capacity"] <= 1024:
+        fail("model.expert_capacity", f"{model['expert_capacity']} must be in (0, 1024]: the (token, expert) pairs an expert "
+             "takes in a prompt chunk, in multiples of an even share (default 2; a step past it runs every expert).")
     if values["dtype"] not in ("float32", "bfloat16"):
         fail("dtype", f"{values['dtype']!r} is not supported; use float32 or bfloat16.")
-    buckets = {}
-    for method in METHODS:
-        key = f"methods.{method}.buckets"
-        listed = values["methods"][method]["buckets"]
-        if not listed:
-            fail(key, "is empty; give at least one bucket size.")
-        if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in listed):
-            fail(key, f"{listed} must hold positive integers.")
-        if len(set(listed)) != len(listed):
-            fail(key, f"{listed} lists a bucket twice.")
-        if len(listed) > MAX_BUCKETS:
-            fail(key, f"{len(listed)} buckets: at most {MAX_BUCKETS} (each is a traced and compiled program).")
-        buckets[method] = sorted(listed)
+    buckets = {method: _sizes(values["methods"][method]["buckets"], f"methods.{method}.buckets", fail) for method in METHODS}
     node = values["parallel"]["hierarchical_allreduce"]
     if node and (node < 2 or values["parallel"]["world_size"] % node or node == values["parallel"]["world_size"]):
         fail("parallel.hierarchical_allreduce", f"{node} must be a group size (ranks per node) that divides "
@@ -130,6 +123,11 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         fail("methods.decode.buckets", f"bucket {buckets['decode'][-1]} has more rows than kv.max_seqs={kv['max_seqs']} sequences.")
     if buckets["prefill"][-1] > kv["max_len"]:
         fail("methods.prefill.buckets", f"bucket {buckets['prefill'][-1]} is longer than kv.max_len={kv['max_len']} positions.")
+    contexts = {}
+    for method in METHODS:
+        key, listed = f"methods.{method}.context", values["methods"][method]["context"]
+        if listed is not None:
+            contexts[method] = _contexts(_sizes(listed, key, fail), kv["max_len"], key, fail)
     for i, boundary in enumerate(values["regions"]["boundaries"]):
         if (not isinstance(boundary, dict) or not set(boundary) <= {"module", "op"} or "op" not in boundary
                 or not all(isinstance(v, str) and v for v in boundary.values())):
@@ -151,12 +149,17 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     problem = config.max_len_problem(kv["max_len"])
     if problem:
         fail("kv.max_len", problem)
+    for method, sizes in contexts.items():
+        problem = next(filter(None, map(config.max_len_problem, sizes)), None)
+        if problem:
+            fail(f"methods.{method}.context", f"context bucket {problem}")
     return Recipe(
         name=values["name"],
         model=model,
         dtype=values["dtype"],
         parallel=values["parallel"],
         buckets=buckets,
+        contexts=contexts,
         kv=kv,
         split_layers=values["regions"]["split_layers"],
         boundaries=values["regions"]["boundaries"],
@@ -165,6 +168,27 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         output=Path(output or values["output"] or f"artifacts/{values['name']}"),
         raw=raw,
     )
+
+
+def _sizes(listed: list, key: str, fail) -> list[int]:
+    """A bucket list, sorted: positive integers, none twice, at most MAX_BUCKETS."""
+    if not listed:
+        fail(key, "is empty; give at least one bucket size.")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in listed):
+        fail(key, f"{listed} must hold positive integers.")
+    if len(set(listed)) != len(listed):
+        fail(key, f"{listed} lists a bucket twice.")
+    if len(listed) > MAX_BUCKETS:
+        fail(key, f"{len(listed)} buckets: at most {MAX_BUCKETS} (each is a traced and compiled program).")
+    return sorted(listed)
+
+
+def _contexts(sizes: list[int], max_len: int, key: str, fail) -> list[int]:
+    """Context buckets end at kv.max_len, added when not listed: every sequence the pool holds
+    must have a program."""
+    if sizes[-1] > max_len:
+        fail(key, f"context bucket {sizes[-1]} is longer than kv.max_len={max_len} positions.")
+    return sizes if sizes[-1] == max_len else sizes + [max_len]
 
 
 def _check_backend(name: str, fail):
@@ -199,6 +223,8 @@ def _validate(raw: dict, schema: dict, prefix: str, fail) -> dict:
             out[key] = default
             continue
         value = raw[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             fail(dotted, f"must be {kind.__name__}, not {type(value).__name__} ({value!r}).")
         out[key] = value

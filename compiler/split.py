@@ -66,18 +66,28 @@ def collective_of(node: fx.Node) -> dict | None:
     return {"op": op, **{arg.name: value for arg, value in zip(schema[1:], node.args[1:])}}
 
 
-def split_unit(graph_module: fx.GraphModule, unit_path: str, boundaries: list[dict]) -> UnitRegions:
-    """Cut before every boundary match, and around every collective (which becomes its own piece)."""
-    partition, has_compute, after_collective = 0, False, False
+def split_unit(graph_module: fx.GraphModule, unit_path: str, boundaries: list[dict], state_free_from: str | None = None,
+               context_inputs: frozenset[int] = frozenset()) -> UnitRegions:
+    """Cut before every boundary match, and around every collective (which becomes its own piece).
+
+    Under context buckets, also cut where a region that read a context-sized state input (the
+    placeholders at `context_inputs`) enters module `state_free_from` (a glob): what follows reads
+    no state, so it is the same graph for every context and compiles once."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    context_nodes = {placeholders[i] for i in context_inputs}
+    partition, has_compute, after_collective, read_context = 0, False, False, False
     partition_of = {}
     for node in graph_module.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         collective = collective_of(node) is not None
-        if has_compute and (collective or after_collective or any(matches(node, b, unit_path) for b in boundaries)):
-            partition, has_compute = partition + 1, False
+        leaves_state = (read_context and state_free_from is not None and node.op == "call_function"
+                        and fnmatchcase(module_path(node, unit_path), state_free_from))
+        if has_compute and (collective or after_collective or leaves_state or any(matches(node, b, unit_path) for b in boundaries)):
+            partition, has_compute, read_context = partition + 1, False, False
         partition_of[node] = partition
         has_compute = has_compute or node.op == "call_function"
+        read_context = read_context or any(a in context_nodes for a in node.all_input_nodes)
         after_collective = collective
 
     split = split_module(graph_module, None, lambda node: partition_of[node], keep_original_order=True)

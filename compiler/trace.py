@@ -1,4 +1,4 @@
-"""Tracing: one torch.export per distinct (unit kind, method, bucket), weights lifted to inputs.
+"""Tracing: one torch.export per distinct (unit kind, method, bucket, context), weights lifted to inputs.
 
 The model's `prefill`/`decode` are drivers that only call sub-modules (`embed`, `layers[i]`,
 `head`). We run each driver once on fake tensors with forward hooks on those sub-modules, which
@@ -8,10 +8,12 @@ called; later calls of the same kind reuse that graph with their own weight and 
 With `split_layers: false` the whole method is one unit instead.
 
 Value names: the Step fields (`tokens`, `positions`, `slots`, `read_slot`, `last_index`),
-`kv.<layer>.<state name>` for the per-layer state the model declares (`model.state_specs`),
+`kv.<layer>.<state name>` for the per-layer state the model declares (`model.state_specs`; under a
+context bucket c, a view of its first c positions: models/state.py),
 weights by their model name, and `<call path>:<output index>` for call outputs.
 """
 
+import itertools
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,12 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from deepinfer.runtime.step import STEP_FIELDS
+from deepinfer.models.state import context_view
+from deepinfer.runtime.step import STEP_FIELDS, program_key
 
 
 @dataclass
 class Unit:
-    key: str  # "<kind>/<method>/<bucket>", e.g. "layer.moe/decode/4"
+    key: str  # "<kind>/<program key>", e.g. "layer.moe/decode/4" or "layer.moe/decode/4/1024" (a context bucket)
     module_path: str  # where its nodes live in the model, "layers.*" for a layer kind
     program: torch.export.ExportedProgram
     weight_names: list[str]  # lifted parameter/buffer targets, relative to the unit's module
@@ -43,13 +46,14 @@ class UnitCall:
 class TracedProgram:
     method: str
     bucket: int
+    context: int | None  # positions its state views hold (None: the whole pool)
     inputs: list[str]
     output: str
     calls: list[UnitCall] = field(default_factory=list)
 
     @property
     def key(self) -> str:
-        return f"{self.method}/{self.bucket}"
+        return program_key(self.method, self.bucket, self.context)
 
 
 class _Call(nn.Module):
@@ -76,24 +80,25 @@ def example_step_inputs(method: str, bucket: int) -> list[torch.Tensor]:
     return [torch.zeros(sizes[name], dtype=torch.int64) for name in STEP_FIELDS[method]]
 
 
-def trace_programs(model: nn.Module, buckets: dict[str, list[int]], max_seqs: int, max_len: int,
-                   split_layers: bool = True) -> tuple[list[TracedProgram], dict[str, Unit]]:
-    """Trace every (method, bucket) of a model whose weights are fake tensors."""
+def trace_programs(model: nn.Module, buckets: dict[str, list[int]], contexts: dict[str, list[int]], max_seqs: int,
+                   max_len: int, split_layers: bool = True) -> tuple[list[TracedProgram], dict[str, Unit]]:
+    """Trace every (method, bucket, context) of a model whose weights are fake tensors; a method
+    without context buckets is traced on the whole state pool."""
     fake_mode = model.embed.weight.fake_mode
     canonical = _canonical_names(model)
     units: dict[str, Unit] = {}
     programs = []
-    state_names = [[f"kv.{i}.{name}" for name, _, _ in layer] for i, layer in enumerate(model.state_specs(max_seqs, max_len))]
+    specs = model.state_specs(max_seqs, max_len)
+    state_names = [[f"kv.{i}.{s.name}" for s in layer] for i, layer in enumerate(specs)]
     with fake_mode, no_stack_traces():
-        state = model.new_state(max_seqs, max_len)
+        pool = model.new_state(max_seqs, max_len)
         for method, sizes in buckets.items():
-            for bucket in sizes:
+            for bucket, context in itertools.product(sizes, contexts.get(method, [None])):
+                state = [[context_view(t, s, context) for t, s in zip(ts, ss)] for ts, ss in zip(pool, specs)]
                 inputs = example_step_inputs(method, bucket)
-                if split_layers:
-                    program = _record_driver(model, method, bucket, inputs, state, state_names, units, canonical)
-                else:
-                    program = _whole_method(model, method, bucket, inputs, state, state_names, units, canonical)
-                programs.append(program)
+                trace = _record_driver if split_layers else _whole_method
+                programs.append(trace(model, TracedProgram(method, bucket, context, list(STEP_FIELDS[method]), ""),
+                                      inputs, state, state_names, units, canonical))
     return programs, units
 
 
@@ -109,26 +114,25 @@ def no_stack_traces():
         torch.fx.config.do_not_emit_stack_traces = before
 
 
-def _record_driver(model, method, bucket, inputs, state, state_names, units, canonical) -> TracedProgram:
+def _record_driver(model, program: TracedProgram, inputs, state, state_names, units, canonical) -> TracedProgram:
     paths = {model.embed: "embed", model.head: "head", **{layer: f"layers.{i}" for i, layer in enumerate(model.layers)}}
     recorded = []  # (module, args, outputs) in call order
     handles = [m.register_forward_hook(lambda m, a, o: recorded.append((m, a, o if isinstance(o, tuple) else (o,))))
                for m in paths]
     try:
-        result = getattr(model, method)(*inputs, state)
+        result = getattr(model, program.method)(*inputs, state)
     finally:
         for handle in handles:
             handle.remove()
 
-    names = {id(t): n for n, t in zip(STEP_FIELDS[method], inputs)}
+    names = {id(t): n for n, t in zip(program.inputs, inputs)}
     names.update({id(t): n for layer, layer_names in zip(state, state_names) for t, n in zip(layer, layer_names)})
-    program = TracedProgram(method, bucket, list(STEP_FIELDS[method]), output="")
     for module, args, outputs in recorded:
         path = paths[module]
         kind = f"layer.{module.kind}" if path.startswith("layers.") else path
-        key = f"{kind}/{method}/{bucket}"
+        key = f"{kind}/{program.key}"
         if any(id(a) not in names for a in args):
-            raise RuntimeError(f"{type(model).__name__}.{method}: {path} got a tensor no sub-module produced; "
+            raise RuntimeError(f"{type(model).__name__}.{program.method}: {path} got a tensor no sub-module produced; "
                                "the driver must only call sub-modules (embed, layers, head).")
         if key not in units:
             units[key] = _export(_Call(module), args, key, re.sub(r"\.\d+$", ".*", path))
@@ -140,14 +144,16 @@ def _record_driver(model, method, bucket, inputs, state, state_names, units, can
     return program
 
 
-def _whole_method(model, method, bucket, inputs, state, state_names, units, canonical) -> TracedProgram:
-    key = f"model/{method}/{bucket}"
+def _whole_method(model, program: TracedProgram, inputs, state, state_names, units, canonical) -> TracedProgram:
+    key = f"model/{program.key}"
     flat = [t for layer in state for t in layer]
-    units[key] = _export(_Call(model, method, len(inputs), tuple(len(layer) for layer in state)), (*inputs, *flat), key, "")
+    wrapper = _Call(model, program.method, len(inputs), tuple(len(layer) for layer in state))
+    units[key] = _export(wrapper, (*inputs, *flat), key, "")
     weights = [canonical[id(tensor_at(model, w))] for w in units[key].weight_names]
-    arg_names = list(STEP_FIELDS[method]) + [n for layer in state_names for n in layer]
-    call = UnitCall(key, "", arg_names, ["model:0"], weights)
-    return TracedProgram(method, bucket, list(STEP_FIELDS[method]), "model:0", [call])
+    arg_names = program.inputs + [n for layer in state_names for n in layer]
+    program.calls.append(UnitCall(key, "", arg_names, ["model:0"], weights))
+    program.output = "model:0"
+    return program
 
 
 def _export(wrapper: _Call, args, key: str, module_path: str) -> Unit:

@@ -27,8 +27,10 @@ from torch import nn
 import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
 
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
+from .moe import routed_experts
 from .parallel import Layout, rank_buffers
 from .quantization import Fp8Blocks, expert_weights, linear, linear_weight, stacked_experts
+from .state import StateSpec, allocate
 
 
 class RMSNorm(nn.Module):
@@ -231,36 +233,13 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [N, k], [N, k]
         gate_up = expert_weights(self, "experts_gate_up", x.dtype, self.config.quantization)
         down = expert_weights(self, "experts_down", x.dtype, self.config.quantization)
-        routed = routed_experts(self, x, weights, ids, gate_up, down, swiglu)
+        routed = routed_experts(self, x, weights, ids, gate_up, down, swiglu, self.config.expert_capacity)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)  # [N, D]
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 
 
 def swiglu(gate, up):
     return F.silu(gate) * up
-
-
-def routed_experts(moe: nn.Module, x, weights, ids, gate_up, down, activation):
-    """The routed experts' sum [N, D] for x [N, D], routing weights and global expert ids [N, k];
-    stacked weights gate_up [E_local, 2I, D] (gate rows, then up rows) and down [E_local, D, I],
-    given as pick(ids) functions (models/quantization.expert_weights).
-    The rank's `moe` buffers say which experts it holds (expert_offset) and computes
-    ([owned_begin, owned_end)); a routed expert owned elsewhere contributes zero here."""
-    E_local = moe.n_local_experts
-    is_local = (ids >= moe.owned_begin) & (ids < moe.owned_end)
-    weights = torch.where(is_local, weights, 0.0).to(x.dtype)
-    local_ids = (ids - moe.expert_offset).clamp(0, E_local - 1)
-    # Static shapes pick the form: gathering k experts per row reads less than all experts
-    # only while rows * k < E_local (decode); otherwise compute every local expert (prefill).
-    if x.shape[0] * ids.shape[1] < E_local:
-        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up(local_ids)).chunk(2, dim=-1)  # [N, k, I] each
-        y = torch.einsum("nki,nkdi->nkd", activation(gate, up), down(local_ids))  # [N, k, D]
-        return (y * weights[..., None]).sum(dim=1)
-    combine = torch.zeros(x.shape[0], E_local, dtype=x.dtype, device=x.device)
-    combine = combine.scatter_add(1, local_ids, weights)  # [N, E_local], zero where not routed
-    gate, up = torch.einsum("nd,efd->nef", x, gate_up()).chunk(2, dim=-1)  # [N, E, I]
-    y = torch.einsum("nei,edi->ned", activation(gate, up), down())  # [N, E, D]
-    return torch.einsum("ned,ne->nd", y, combine)
 
 
 class DecoderLayer(nn.Module):
@@ -310,6 +289,9 @@ class LMHead(nn.Module):
 class DeepseekV3(nn.Module):
     # Router parameters stay float32 whatever the model dtype, as in HF.
     FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")
+    # From this sub-module on a layer reads no state: under context buckets the compiler starts a
+    # region there, so the MLP / MoE compiles once for every context.
+    STATE_FREE_FROM = "layers.*.post_attention_layernorm"
 
     def __init__(self, config: DeepseekV3Config, layout: Layout = Layout()):
         super().__init__()
@@ -329,13 +311,14 @@ class DeepseekV3(nn.Module):
     def param_dtype(cls, name: str, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if name.endswith(cls.FLOAT32_PARAMS) else dtype
 
-    def state_specs(self, max_seqs: int, max_len: int) -> list[list[tuple[str, list[int], torch.dtype]]]:
-        """Per layer one tensor [max_seqs + 1, max_len, C]; slot max_seqs is the scratch slot."""
+    def state_specs(self, max_seqs: int, max_len: int) -> list[list[StateSpec]]:
+        """Per layer one tensor [max_seqs + 1, max_len, C], one entry per position; slot max_seqs
+        is the scratch slot."""
         shape = [max_seqs + 1, max_len, self.config.kv_cache_dim]
-        return [[("latent", shape, self.embed.weight.dtype)] for _ in self.layers]
+        return [[StateSpec("latent", shape, self.embed.weight.dtype, positions_per_entry=1)] for _ in self.layers]
 
     def new_state(self, max_seqs: int, max_len: int) -> list[list[torch.Tensor]]:
-        return [[torch.zeros(shape, dtype=dtype) for _, shape, dtype in layer] for layer in self.state_specs(max_seqs, max_len)]
+        return allocate(self.state_specs(max_seqs, max_len))
 
     def prefill(self, tokens, positions, write_slots, read_slot, last_index, state):
         h, pending, cos, sin = self.embed(tokens, positions)

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from .config_checks import ConfigError, check_fields, check_rope
+from .moe import DEFAULT_CAPACITY
 from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_quantization
 
 
@@ -57,6 +58,8 @@ class DeepseekV3Config:
     eos_token_id: int | None = 1
     rope: RopeConfig = field(default_factory=RopeConfig)
     quantization: Fp8Blocks | None = None  # the checkpoint's fp8 weights (models/quantization.py)
+    # Not a checkpoint field: the recipe's model.expert_capacity (models/moe.py).
+    expert_capacity: float = DEFAULT_CAPACITY
 
     @property
     def qk_head_dim(self) -> int:
@@ -96,7 +99,7 @@ class DeepseekV3Config:
 
     def to_dict(self) -> dict:
         """HF-style dict (rope as `rope_parameters`) that `from_dict` reads back unchanged."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope", "quantization")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope", "quantization", "expert_capacity")}
         out["model_type"] = "deepseek_v3"
         out["rope_parameters"] = {f.name: getattr(self.rope, f.name) for f in fields(RopeConfig)}
         if self.quantization:
@@ -143,7 +146,7 @@ def _checked_fields(raw: dict, source: str) -> dict:
     for key, allowed in unsupported.items():
         if key in raw and raw[key] not in allowed:
             raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
-    known = {f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization"}
+    known = {f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization", "expert_capacity"}
     values = {k: raw[k] for k in known if k in raw and raw[k] is not None}
     if raw.get("q_lora_rank", 0) is None:
         values["q_lora_rank"] = None  # null means a plain q projection
@@ -160,7 +163,7 @@ LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 <
 SIZE_LIMIT = 1 << 20
 _NON_NEGATIVE = ("n_shared_experts", "qk_nope_head_dim", "first_k_dense_replace")
 _OPTIONAL = ("q_lora_rank", "bos_token_id", "eos_token_id")  # may be null
-_READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization"}) | {
+_READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization", "expert_capacity"}) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "scoring_func", "topk_method",
     "pretraining_tp", "quantization_config", "num_key_value_heads"}
 
@@ -170,7 +173,7 @@ def _check_values(c: DeepseekV3Config, source: str):
     def fail(key, message):
         raise ConfigError(f"{source}: {key}={getattr(c, key, None)!r} {message}")
 
-    check_fields(c, source, skip=("rope", "quantization"), optional=_OPTIONAL, non_negative=_NON_NEGATIVE + _OPTIONAL, limits=LIMITS,
+    check_fields(c, source, skip=("rope", "quantization", "expert_capacity"), optional=_OPTIONAL, non_negative=_NON_NEGATIVE + _OPTIONAL, limits=LIMITS,
                  size_limit=SIZE_LIMIT)
     if c.qk_rope_head_dim % 2:
         fail("qk_rope_head_dim", "must be even (RoPE rotates pairs of channels).")

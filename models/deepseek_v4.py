@@ -41,10 +41,12 @@ from torch import nn
 import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
 
 from . import deepseek_v3
-from .deepseek_v3 import routed_experts, rope_frequencies
+from .deepseek_v3 import rope_frequencies
 from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from .moe import routed_experts
 from .parallel import Layout, rank_buffers
 from .quantization import expert_weights, linear, linear_weight, stacked_experts
+from .state import StateSpec, allocate
 
 
 class RMSNorm(deepseek_v3.RMSNorm):
@@ -200,16 +202,17 @@ class Attention(nn.Module):
         if attention_type == CSA:
             self.indexer = Indexer(c)
 
-    def state_specs(self, max_seqs: int, max_len: int, dtype: torch.dtype) -> list[tuple[str, list[int], torch.dtype]]:
+    def state_specs(self, max_seqs: int, max_len: int, dtype: torch.dtype) -> list[StateSpec]:
+        """The window and the compressors' rings are fixed; the entries grow with the context."""
         S = max_seqs + 1
-        specs = [("window", [S, self.window, self.head_dim], dtype)]
+        specs = [StateSpec("window", [S, self.window, self.head_dim], dtype)]
         if self.rate:
-            specs += [("entries", [S, max_len // self.rate, self.head_dim], dtype),
-                      ("buffer", [S, self.compressor.ring_size(), 2 * self.compressor.wkv.out_features], dtype)]
+            specs += [StateSpec("entries", [S, max_len // self.rate, self.head_dim], dtype, self.rate),
+                      StateSpec("buffer", [S, self.compressor.ring_size(), 2 * self.compressor.wkv.out_features], dtype)]
         if hasattr(self, "indexer"):
             index = self.indexer.compressor
-            specs += [("index_entries", [S, max_len // self.rate, index.width], dtype),
-                      ("index_buffer", [S, index.ring_size(), 2 * index.wkv.out_features], dtype)]
+            specs += [StateSpec("index_entries", [S, max_len // self.rate, index.width], dtype, self.rate),
+                      StateSpec("index_buffer", [S, index.ring_size(), 2 * index.wkv.out_features], dtype)]
         return specs
 
     def forward(self, x, cos, sin, start, end, seq_slots, window, *compressed_state):
@@ -344,7 +347,7 @@ class MoE(nn.Module):
         activation = partial(clamped_swiglu, limit=self.limit)
         q = self.config.quantization
         w13, w2 = expert_weights(self, "experts_w13", x.dtype, q), expert_weights(self, "experts_w2", x.dtype, q)
-        routed = routed_experts(self, x, weights, ids, w13, w2, activation)
+        routed = routed_experts(self, x, weights, ids, w13, w2, activation, self.config.expert_capacity)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 
@@ -438,6 +441,8 @@ class LMHead(nn.Module):
 
 
 class DeepseekV4(nn.Module):
+    STATE_FREE_FROM = "layers.*.ffn_norm"  # as DeepseekV3's: the MoE after it reads no state
+
     def __init__(self, config: DeepseekV4Config, layout: Layout = Layout()):
         super().__init__()
         layout.check(config)
@@ -461,13 +466,13 @@ class DeepseekV4(nn.Module):
         if self.config.tie_word_embeddings and self.layout.tp == 1:
             self.head.weight = self.embed.weight
 
-    def state_specs(self, max_seqs: int, max_len: int) -> list[list[tuple[str, list[int], torch.dtype]]]:
+    def state_specs(self, max_seqs: int, max_len: int) -> list[list[StateSpec]]:
         """Per layer, the named state tensors it keeps (see the module docstring)."""
         dtype = self.embed.weight.dtype
         return [layer.attn.state_specs(max_seqs, max_len, dtype) for layer in self.layers]
 
     def new_state(self, max_seqs: int, max_len: int) -> list[list[torch.Tensor]]:
-        return [[torch.zeros(shape, dtype=dtype) for _, shape, dtype in layer] for layer in self.state_specs(max_seqs, max_len)]
+        return allocate(self.state_specs(max_seqs, max_len))
 
     def prefill(self, tokens, positions, slots, read_slot, last_index, state):
         h, post, pending, *rope, start, end = self.embed(tokens, positions, last_index)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from .config_checks import ConfigError, check_fields, check_rope
 from .deepseek_v3_config import RopeConfig
+from .moe import DEFAULT_CAPACITY
 from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_quantization
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -55,6 +56,7 @@ class DeepseekV4Config:
     rope: RopeConfig = field(default_factory=RopeConfig)  # "main": sliding layers
     compress_rope: RopeConfig = field(default_factory=lambda: RopeConfig(rope_theta=160000.0, attention_factor=1.0))
     quantization: Fp8Blocks | None = None  # the checkpoint's fp8 / fp4 weights (models/quantization.py)
+    expert_capacity: float = DEFAULT_CAPACITY  # not a checkpoint field: the recipe's model.expert_capacity (models/moe.py)
 
     def compress_rate(self, attention_type: str) -> int:
         """Positions pooled into one compressed entry (0: the layer keeps none)."""
@@ -87,7 +89,7 @@ class DeepseekV4Config:
     def to_dict(self) -> dict:
         """HF-style dict that `from_dict` reads back unchanged."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("rope", "compress_rope", "qk_rope_head_dim", "quantization")}
+               if f.name not in ("rope", "compress_rope", "qk_rope_head_dim", "quantization", "expert_capacity")}
         out.update(model_type="deepseek_v4", layer_types=list(self.layer_types), mlp_layer_types=list(self.mlp_layer_types),
                    partial_rotary_factor=self.qk_rope_head_dim / self.head_dim, rope_theta=self.rope.rope_theta,
                    compress_rope_theta=self.compress_rope.rope_theta)
@@ -121,7 +123,7 @@ class DeepseekV4Config:
                              "mlp_bias": (False,)}.items():
             if key in raw and raw[key] not in allowed:
                 raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
-        known = {f.name for f in fields(cls)} - {"rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization"}
+        known = {f.name for f in fields(cls)} - {"rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization", "expert_capacity"}
         values = {k: raw[k] for k in known if raw.get(k) is not None}
         if isinstance(values.get("eos_token_id"), list) and values["eos_token_id"]:
             values["eos_token_id"] = values["eos_token_id"][0]
@@ -214,7 +216,7 @@ def _rope_dict(rope: RopeConfig) -> dict:
 
 LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 << 22, "num_attention_heads": 1024,
           "max_position_embeddings": 1 << 24, "hc_mult": 16, "hc_sinkhorn_iters": 100}
-_READ_KEYS = ({f.name for f in fields(DeepseekV4Config)} - {"rope", "compress_rope", "quantization"}) | {
+_READ_KEYS = ({f.name for f in fields(DeepseekV4Config)} - {"rope", "compress_rope", "quantization", "expert_capacity"}) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "compress_rope_theta", "compress_rates",
     "compress_ratios", "num_hash_layers", "partial_rotary_factor", "hidden_act", "num_key_value_heads",
     "attention_bias", "mlp_bias", "quantization_config", "expert_dtype"}
@@ -227,7 +229,7 @@ def _check_values(c: DeepseekV4Config, source: str):
 
     if fp4_size_problem(c):
         fail(*fp4_size_problem(c))
-    check_fields(c, source, skip=("rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization"),
+    check_fields(c, source, skip=("rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization", "expert_capacity"),
                  optional=("bos_token_id", "eos_token_id"), non_negative=("bos_token_id", "eos_token_id"), limits=LIMITS)
     if c.scoring_func not in SCORING_FUNCS:
         fail("scoring_func", f"is not supported (one of {SCORING_FUNCS}).")

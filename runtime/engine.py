@@ -12,7 +12,9 @@ two tokens however long a newcomer's prompt is, and a long prompt is prefilled o
 iterations while the others decode.
 
 Static shapes rule here: every step is padded to a bucket, and padding points at the scratch
-slot (index max_seqs).
+slot (index max_seqs). Where the bundle has context buckets, a step runs the program for the
+smallest context that holds its longest sequence, so a short conversation does not pay for
+the pool's kv.max_len.
 """
 
 import time
@@ -75,10 +77,11 @@ class Sequence:
 
 class Engine:
     def __init__(self, executor, prefill_buckets, decode_buckets, max_seqs: int, max_len: int, eos_id: int | None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, contexts: dict[str, list[int]] | None = None):
         self.executor = executor
         self.prefill_buckets = sorted(prefill_buckets)
         self.decode_buckets = sorted(decode_buckets)
+        self.contexts = contexts or {}  # method -> context buckets, the largest kv.max_len
         self.max_seqs, self.max_len, self.eos_id, self.vocab_size = max_seqs, max_len, eos_id, vocab_size
         self.scratch = max_seqs
         self.waiting: deque[Sequence] = deque()
@@ -90,7 +93,7 @@ class Engine:
         """The engine a loaded bundle's manifest describes."""
         m = executor.manifest
         return cls(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id,
-                   m.vocab_size)
+                   m.vocab_size, m.contexts)
 
     def check(self, request: Request):
         """Refuse what the compiled graphs cannot take: they index embeddings and the cache with
@@ -183,6 +186,7 @@ class Engine:
             slots=torch.tensor([seq.slot] * n + [self.scratch] * pad),
             read_slot=torch.tensor([seq.slot]),
             last_index=torch.tensor([n - 1]),
+            context=self._context("prefill", done + n),
         )
         logits = self.executor.run(step)
         seq.prefilled += n
@@ -200,10 +204,15 @@ class Engine:
                 tokens=torch.tensor([s.result.token_ids[-1] for s in group] + [0] * pad),
                 positions=torch.tensor([s.length for s in group] + [0] * pad),
                 slots=torch.tensor([s.slot for s in group] + [self.scratch] * pad),
+                context=self._context("decode", max(s.length for s in group) + 1),
             )
             logits = self.executor.run(step)
             for row, seq in enumerate(group):
                 self._append(seq, logits[row])
+
+    def _context(self, method: str, positions: int) -> int | None:
+        """The smallest context bucket holding `positions` positions (None: the method has none)."""
+        return next((c for c in self.contexts.get(method, ()) if c >= positions), None)
 
     def _append(self, seq: Sequence, logits: torch.Tensor):
         token = int(sample(logits[None], seq.request.sampling, seq.generator)[0])

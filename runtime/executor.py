@@ -44,13 +44,14 @@ class BundleExecutor:
         self.rank = rank
         weights = self._load_weights(self.bundle / m.weight_files[rank])
         self.state = self._allocate_state()
-        fixed = {**weights, **self.state}
+        views = {context: self._state_views(context) for context in {p.context for p in m.programs.values()}}
+        fixed = {key: {**weights, **views[program.context]} for key, program in m.programs.items()}
         # Every tensor a region will read or write is checked against the specs it was compiled
         # for BEFORE any region is loaded: a compiled region indexes memory without bounds checks.
         for key, program in m.programs.items():
-            self._check_shapes(key, program, fixed)
+            self._check_shapes(key, program, fixed[key])
         functions = {fp: load_region(r.backend, self.bundle / r.file) for fp, r in m.regions.items()}
-        self.plans = {key: self._resolve(key, program, functions, fixed) for key, program in m.programs.items()}
+        self.plans = {key: self._resolve(key, program, functions, fixed[key]) for key, program in m.programs.items()}
         self.host_seconds: dict[str, float] | None = {} if knobs.host_timing() else None
         self.trace_events: list | None = [] if knobs.region_trace_path() else None
 
@@ -71,13 +72,21 @@ class BundleExecutor:
                               f"in this host's memory ({str(err).splitlines()[0]}). Recompile with a smaller kv.max_seqs "
                               "or kv.max_len.") from None
 
+    def _state_views(self, context: int | None) -> dict[str, torch.Tensor]:
+        """The state a program for `context` positions binds: each position-indexed tensor narrowed
+        to its first context / positions_per_entry entries (a view: writes land in the pool)."""
+        if context is None:
+            return self.state
+        ratios = {f"kv.{i}.{t.name}": t.positions_per_entry for i, layer in enumerate(self.manifest.state or []) for t in layer}
+        return {name: t.narrow(1, 0, context // ratios[name]) if ratios.get(name) else t for name, t in self.state.items()}
+
     def _check_shapes(self, key: str, program, fixed: dict):
         """Walk the program with (shape, dtype) per value: step inputs from the bucket, weights and
         KV layers as loaded, region outputs as declared; every region input must match its spec."""
         where = f"{self.bundle}/manifest.json: program {key}"
         method, bucket = program.method, program.bucket
         expected_inputs = list(STEP_FIELDS.get(method, ()))
-        if program.inputs != expected_inputs or key != f"{method}/{bucket}":
+        if program.inputs != expected_inputs or key != program.key:
             raise BundleError(f"{where} takes {program.inputs}, but a {method!r} step gives {expected_inputs}; recompile the bundle.")
         known = {name: ([1] if name in ("read_slot", "last_index") else [bucket], "int64") for name in expected_inputs}
         known.update({name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in fixed.items()})
@@ -126,10 +135,13 @@ class BundleExecutor:
         return _Plan(calls, len(slots), slots[program.output])
 
     def run(self, step: Step) -> torch.Tensor:
-        plan = self.plans.get(f"{step.method}/{step.bucket}")
+        plan = self.plans.get(step.key)
         if plan is None:
-            raise BundleError(f"{self.bundle}: no program for {step.method} with bucket {step.bucket}; "
-                              f"compiled buckets are {self.manifest.buckets.get(step.method)}.")
+            contexts = self.manifest.contexts.get(step.method)
+            raise BundleError(f"{self.bundle}: no program for {step.method} with bucket {step.bucket}"
+                              + (f" and context {step.context}" if step.context is not None else "")
+                              + f"; compiled buckets are {self.manifest.buckets.get(step.method)}"
+                              + (f", context buckets {contexts}." if contexts else "."))
         values = [None] * plan.n_values
         inputs = step.inputs()
         values[: len(inputs)] = inputs
@@ -150,7 +162,7 @@ class BundleExecutor:
         if self.host_seconds is not None:
             self.host_seconds[fingerprint] = self.host_seconds.get(fingerprint, 0.0) + end - start
         if self.trace_events is not None:
-            self.trace_events.append({"name": fingerprint[:12], "cat": f"{step.method}/{step.bucket}", "ph": "X",
+            self.trace_events.append({"name": fingerprint[:12], "cat": step.key, "ph": "X",
                                       "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": self.rank, "tid": 0})
 
     def write_trace(self, path: Path):

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .errors import DeepinferError
+from .step import program_key
 
 MAGIC = "deepinfer-bundle"
 SCHEMA_VERSION = 1
@@ -70,6 +71,11 @@ class Program:
     inputs: list[str]  # the Step fields this program reads, in Step.inputs() order
     output: str
     steps: list[ScheduleStep]
+    context: int | None = None  # the context bucket: its state inputs are views of the first `context` positions
+
+    @property
+    def key(self) -> str:
+        return program_key(self.method, self.bucket, self.context)
 
 
 @dataclass
@@ -88,6 +94,7 @@ class StateTensor:
     name: str
     shape: list[int]  # [max_seqs + 1, ...]: one row per sequence slot, the last one scratch
     dtype: str
+    positions_per_entry: int | None = None  # axis 1 holds one entry per this many positions (a context view narrows it)
 
 
 @dataclass
@@ -99,7 +106,7 @@ class Manifest:
     parallel: dict
     buckets: dict  # method -> sorted buckets
     kv: KVSpec
-    programs: dict[str, Program]  # "method/bucket" -> Program
+    programs: dict[str, Program]  # Program.key ("method/bucket" or "method/bucket/context") -> Program
     regions: dict[str, Region]  # fingerprint -> Region
     weight_files: list[str]  # per rank
     tokenizer: str | None  # relative path of tokenizer.json, or None for bytes
@@ -110,6 +117,7 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     state: list[list[StateTensor]] | None = None  # per layer; None in bundles that only have `kv`
     chat_template: str | None = None  # relative path of chat_template.json, when the checkpoint has a template
+    contexts: dict = field(default_factory=dict)  # method -> sorted context buckets (ending at kv.max_len), when it has them
 
     def state_tensors(self) -> dict[str, TensorSpec]:
         """Every state tensor the runtime allocates, by the name programs use."""
@@ -205,14 +213,30 @@ def check_manifest(m: Manifest, where: str):
             bad(f"buckets.{method} {buckets!r} must be a list of positive integers")
         if method == "decode" and max(buckets) > kv.max_seqs or method == "prefill" and max(buckets) > kv.max_len:
             bad(f"buckets.{method} {buckets} does not fit the KV pool")
+        contexts = m.contexts.get(method, [None])
+        if method in m.contexts and (not isinstance(contexts, list) or not contexts or contexts[-1] != kv.max_len
+                                   or not all(isinstance(c, int) and not isinstance(c, bool) and 0 < c for c in contexts)
+                                   or sorted(set(contexts)) != contexts):
+            bad(f"contexts.{method} {contexts!r} must be increasing positive integers ending at kv.max_len={kv.max_len}")
         for bucket in buckets:
-            if f"{method}/{bucket}" not in m.programs:
-                bad(f"no program for {method}/{bucket}")
+            for context in contexts:
+                if program_key(method, bucket, context) not in m.programs:
+                    bad(f"no program for {program_key(method, bucket, context)}")
+    if set(m.contexts) - {"prefill", "decode"}:
+        bad(f"contexts {sorted(m.contexts)} names a method other than prefill and decode")
+    for t in [t for layer in m.state or [] for t in layer if t.positions_per_entry is not None]:
+        ratio = t.positions_per_entry
+        if (not isinstance(ratio, int) or ratio < 1 or t.shape[1] * ratio != kv.max_len
+                or any(c % ratio for cs in m.contexts.values() for c in cs)):
+            bad(f"state tensor {t.name} holds {t.shape[1]} entries of {ratio} positions, which does not fit "
+                f"kv.max_len={kv.max_len} and the context buckets {m.contexts}")
     for region in m.regions.values():
         for spec in region.inputs + region.outputs:
             if spec.dtype not in TENSOR_DTYPES or not all(0 <= d <= 1 << 40 for d in spec.shape):
                 bad(f"region {region.file} has a bad tensor spec {spec}")
     for key, program in m.programs.items():
+        if key != program.key:
+            bad(f"program {key} is filed under the wrong key (it is {program.key})")
         for step in program.steps:
             if step.collective is None and step.region not in m.regions:
                 bad(f"program {key} calls region {step.region!r}, which the manifest does not list")

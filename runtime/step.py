@@ -11,7 +11,7 @@ import torch
 METHODS = ("stop", "prefill", "decode")
 # The inputs each method's program reads, in the model's argument order (Step.inputs()).
 STEP_FIELDS = {"prefill": ("tokens", "positions", "slots", "read_slot", "last_index"), "decode": ("tokens", "positions", "slots")}
-HEADER_WORDS = 4  # method, bucket, read_slot, last_index
+HEADER_WORDS = 5  # method, bucket, read_slot, last_index, context
 
 
 @dataclass
@@ -22,10 +22,15 @@ class Step:
     slots: torch.Tensor  # [bucket] int64: the KV slot each row/token writes (decode: also reads)
     read_slot: torch.Tensor | None = None  # [1] int64, prefill: the sequence whose cache is attended
     last_index: torch.Tensor | None = None  # [1] int64, prefill: the row whose logits are returned
+    context: int | None = None  # the context bucket: every position is below it (None: the whole pool)
 
     @property
     def bucket(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def key(self) -> str:
+        return program_key(self.method, self.bucket, self.context)
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The method's inputs in the model's argument order (KV caches excluded)."""
@@ -34,19 +39,25 @@ class Step:
         return (self.tokens, self.positions, self.slots)
 
 
+def program_key(method: str, bucket: int, context: int | None) -> str:
+    """"decode/4", or "decode/4/1024" for the program over the first 1024 positions of the state."""
+    return f"{method}/{bucket}" + (f"/{context}" if context is not None else "")
+
+
 def payload_words(max_bucket: int) -> int:
     """Size of one encoded step record, in int64 words."""
     return HEADER_WORDS + 3 * max_bucket
 
 
 def encode(step: Step | None, max_bucket: int) -> np.ndarray:
-    """[method, bucket, read_slot, last_index, tokens..., positions..., slots...] (each field padded to
-    max_bucket); None means stop."""
+    """[method, bucket, read_slot, last_index, context, tokens..., positions..., slots...] (each field
+    padded to max_bucket; -1 for a field the step has not); None means stop."""
     record = np.zeros(payload_words(max_bucket), dtype=np.int64)
     if step is None:
         return record
     n = step.bucket
-    record[:HEADER_WORDS] = [METHODS.index(step.method), n, _scalar(step.read_slot), _scalar(step.last_index)]
+    context = -1 if step.context is None else step.context
+    record[:HEADER_WORDS] = [METHODS.index(step.method), n, _scalar(step.read_slot), _scalar(step.last_index), context]
     for i, field in enumerate((step.tokens, step.positions, step.slots)):
         start = HEADER_WORDS + i * max_bucket
         record[start : start + n] = field.numpy()
@@ -60,9 +71,9 @@ def decode(record: np.ndarray, max_bucket: int) -> Step | None:
     n = int(record[1])
     starts = [HEADER_WORDS + i * max_bucket for i in range(3)]
     fields = [torch.from_numpy(record[start : start + n].copy()) for start in starts]
-    extra = {}
+    extra = {"context": None if record[4] < 0 else int(record[4])}
     if method == "prefill":
-        extra = {"read_slot": torch.tensor([int(record[2])]), "last_index": torch.tensor([int(record[3])])}
+        extra.update(read_slot=torch.tensor([int(record[2])]), last_index=torch.tensor([int(record[3])]))
     return Step(method, *fields, **extra)
 
 

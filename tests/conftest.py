@@ -44,7 +44,7 @@ def compile_tiny_v4(directory, **changes):
 
     recipe = yaml.safe_load(TINY_V4_RECIPE.read_text())
     recipe["model"]["config"] = tiny_v4_config()
-    recipe.update(methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}}, output=str(directory / "bundle"), **changes)
+    recipe.update({"methods": {"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}}, "output": str(directory / "bundle"), **changes})
     (directory / "v4.yaml").write_text(yaml.safe_dump(recipe))
     return compile_recipe(load_recipe(directory / "v4.yaml"), cache_dir=directory / "cache", progress=False).bundle
 

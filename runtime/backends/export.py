@@ -2,7 +2,7 @@
 
 Loaded without `torch.export.load`, whose archive reader unpickles sample inputs and constants
 (`torch.load(weights_only=False)` as a fallback): here the JSON is parsed, checked to hold only
-operator calls (no guard code, no constants, no custom objects), and deserialized with empty
+operator calls (no guard code, no constants, no custom objects; torch.cond's branches likewise), and deserialized with empty
 weights, so a tampered file cannot run Python."""
 
 import json
@@ -13,6 +13,7 @@ from torch._export.serde.serialize import SerializedArtifact, deserialize
 from ..manifest import BundleError
 
 ALLOWED_TARGETS = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.deepinfer.", "_operator.getitem")
+COND = "torch.ops.higher_order.cond"  # its branches are graphs in its arguments, checked the same way
 
 
 def load(path):
@@ -42,7 +43,17 @@ def _check(path: Path, data: bytes):
         refuse("it carries guard code")
     if graph.get("custom_obj_values") or graph.get("constants"):
         refuse("it carries constants or custom objects")
+    _check_nodes(nodes, refuse)
+
+
+def _check_nodes(nodes, refuse):
+    if not isinstance(nodes, list):
+        refuse("its graph has no node list")
     for node in nodes:
         target = node.get("target") if isinstance(node, dict) else None
-        if not isinstance(target, str) or not target.startswith(ALLOWED_TARGETS):
+        if target == COND:
+            branches = [arg.get("arg", {}).get("as_graph") for arg in node.get("inputs") or [] if isinstance(arg, dict)]
+            for branch in filter(None, branches):
+                _check_nodes(branch.get("graph", {}).get("nodes") if isinstance(branch, dict) else None, refuse)
+        elif not isinstance(target, str) or not target.startswith(ALLOWED_TARGETS):
             refuse(f"it calls {target!r}, which is not a PyTorch operator")

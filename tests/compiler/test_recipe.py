@@ -12,6 +12,13 @@ from tests.conftest import TINY_RECIPE, write_recipe
 def test_tiny_recipe_loads():
     recipe = load_recipe(TINY_RECIPE)
     assert recipe.buckets == {"prefill": [16, 64], "decode": [1, 4]} and recipe.backend == "inductor"
+    assert recipe.contexts == {}
+
+
+def test_context_buckets_are_sorted_and_end_at_max_len(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, methods={"decode": {"buckets": [1], "context": [128, 32]},
+                                                         "prefill": {"buckets": [16], "context": [256, 64]}}))
+    assert recipe.contexts == {"decode": [32, 128, 256], "prefill": [64, 256]}
 
 
 BASE = """name: x
@@ -53,6 +60,10 @@ def test_bad_recipes_name_key_and_line(tmp_path, old, new, message):
         ({"backend": {"name": "tensorrt"}}, r"backend.name: unknown backend 'tensorrt'"),
         ({"dtype": "float16"}, r"dtype: 'float16' is not supported"),
         ({"regions": {"boundaries": [{"module": "layers.*"}]}}, r"regions.boundaries\[0\]: a boundary is"),
+        ({"methods": {"decode": {"buckets": [1], "context": [64, 512]}}}, r"methods.decode.context: context bucket 512 is longer than kv.max_len=256"),
+        ({"methods": {"decode": {"buckets": [1], "context": [64, 64]}}}, r"methods.decode.context: \[64, 64\] lists a bucket twice"),
+        ({"methods": {"prefill": {"buckets": [16], "context": []}}}, r"methods.prefill.context: is empty"),
+        ({"methods": {"prefill": {"buckets": [16], "context": 64}}}, r"methods.prefill.context: must be list, not int"),
     ],
 )
 def test_invalid_values(tmp_path, changes, message):
@@ -81,6 +92,8 @@ V4 = TINY_RECIPE.parent / "tiny-v4.yaml"
         ({"model": {"scoring_func": "softmax"}}, r"model.config: scoring_func='softmax' is not supported"),
         ({"model": {"o_groups": 3}}, r"o_groups=3 must divide num_attention_heads=4"),
         ({"model": {"compress_rate": 4}}, r"unknown field\(s\) \['compress_rate'\]"),
+        ({"methods": {"decode": {"buckets": [1], "context": [32, 40]}, "prefill": {"buckets": [16]}}},
+         r"methods.decode.context: context bucket 40 must be a multiple of every compress rate"),
     ],
 )
 def test_deepseek_v4_constraints_name_the_key(tmp_path, changes, message):

@@ -65,8 +65,10 @@ def assert_prefill_logits_match(hf, *models):
 
 
 def compile_fp8(release, tmp_path, cache_dir, backend, mode, world_size, arch="deepseek_v3"):
+    """Through AOTInductor as one whole graph per program: 2 compiles, the same fp8 ops as per layer."""
     buckets = {"decode": {"buckets": [4]}, "prefill": {"buckets": [32]}}
-    recipe = write_recipe(tmp_path, f"fp8-{backend}-{mode}-ws{world_size}", methods=buckets, backend={"name": backend},
+    regions = {"split_layers": backend != "inductor", "boundaries": []}
+    recipe = write_recipe(tmp_path, f"fp8-{backend}-{mode}-ws{world_size}", methods=buckets, backend={"name": backend}, regions=regions,
                           model={"arch": arch, "checkpoint": str(release), "config": None, "quantized_weights": mode},
                           parallel={"world_size": world_size, "tp": 1, "ep": world_size}, kv={"max_seqs": 4, "max_len": 64})
     return compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import yaml
 
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import RecipeError, load_recipe
-from tests.conftest import TINY_RECIPE, write_recipe
+from tests.conftest import write_recipe
+from tests.models.hf_tiny import hf_greedy, tiny_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,15 +31,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from tests.models.test_hf_parity import decisive_init
-
-    config = dict(yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"], num_key_value_heads=4)
-    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config)).eval()
-    hf.config._attn_implementation = "eager"
-    decisive_init(hf, seed=3)
-    directory = tmp_path_factory.mktemp("hf-tiny")
-    hf.save_pretrained(directory)
-    return hf, directory
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("hf-tiny"), seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +50,6 @@ def run_bundle(bundle: Path, *extra, timeout=300, env=None) -> subprocess.Comple
     args = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
     return subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *args,
                            "--max-tokens", str(MAX_TOKENS), "--json", *extra], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -247,7 +230,10 @@ def test_followers_end_with_the_leader(bundles, signum, after):
 
 def test_deepseek_v4_at_world_size_2_gives_the_tokens_of_transformers(tmp_path):
     """V4 over 2 ranks (tp 2: shared expert and LM head split, attention replicated; ep 2: each rank
-    holds 4 of the 8 experts, hash-routed layers included) against transformers' greedy tokens."""
+    holds 4 of the 8 experts, hash-routed layers included) against transformers' greedy tokens.
+    Decode runs under context buckets 16 and 32 (then kv.max_len): the compressed entries the
+    indexer scores and HCA attends are read up to the context, and the leader tells the follower
+    which context each step runs (generation crosses both edges)."""
     from tests.conftest import compile_tiny_v4, tiny_v4_config
     from tests.models.test_hf_parity import decisive_init
 
@@ -256,7 +242,13 @@ def test_deepseek_v4_at_world_size_2_gives_the_tokens_of_transformers(tmp_path):
     decisive_init(hf, seed=3)
     hf.save_pretrained(tmp_path / "hf-tiny-v4")
     bundle = compile_tiny_v4(tmp_path, model={"arch": "deepseek_v4", "checkpoint": str(tmp_path / "hf-tiny-v4")},
-                             parallel={"world_size": 2, "tp": 2, "ep": 2}, backend={"name": "export"})
+                             parallel={"world_size": 2, "tp": 2, "ep": 2}, backend={"name": "export"},
+                             methods={"decode": {"buckets": [4], "context": [16, 32]}, "prefill": {"buckets": [16]}})
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    ratios = {t["name"]: t["positions_per_entry"] for layer in manifest["state"] for t in layer}
+    assert ratios["window"] is None and ratios["buffer"] is None and ratios["index_entries"] == 4 and ratios["entries"] in (4, 16)
+    index_entries = [n for s in manifest["programs"]["decode/4/16"]["steps"] for n in s["inputs"] if n.endswith(".index_entries")]
+    assert index_entries and sorted(manifest["programs"]) == ["decode/4/16", "decode/4/256", "decode/4/32", "prefill/16"]
     result = run_bundle(bundle)
     assert result.returncode == 0, result.stderr[-3000:]
     tokens = [r["token_ids"] for r in json.loads(result.stdout)["results"]]

@@ -1,0 +1,86 @@
+"""The routed experts' static forms agree: gathered, grouped (with and without overflow) and dense
+give one result, on one rank and summed over ranks that each own part of the experts."""
+
+import pytest
+import torch
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import load_recipe
+from deepinfer.models import TINY_CONFIG, build_model
+from deepinfer.models.moe import dense, expert_capacity, group_by_expert, routed_experts
+from deepinfer.models.parallel import Layout, rank_buffers
+from deepinfer.models.deepseek_v3 import swiglu
+from deepinfer.models.quantization import expert_weights
+from tests.conftest import write_recipe
+
+CONFIG = {**TINY_CONFIG, "n_routed_experts": 16, "n_group": 4, "topk_group": 4, "num_experts_per_tok": 4}
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return build_model(config=CONFIG, seed=1).layers[1].mlp
+
+
+def forms(moe, x, capacity: float, rank_of: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routed_experts at `capacity`, the dense form) for rows x, on the rank `rank_of` = (rank,
+    world_size) owns (all experts when None)."""
+    if rank_of is not None:
+        for name, value in rank_buffers(Layout(rank_of[1], 1, 1), moe.config, rank_of[0]).items():
+            setattr(moe, name, value)
+    weights, ids = moe.gate(x)
+    gate_up = expert_weights(moe, "experts_gate_up", x.dtype, None)
+    down = expert_weights(moe, "experts_down", x.dtype, None)
+    ours = routed_experts(moe, x, weights, ids, gate_up, down, swiglu, capacity)
+    owned = (ids >= moe.owned_begin) & (ids < moe.owned_end)
+    reference = dense(x, torch.where(owned, weights, 0.0), ids, gate_up(), down(), swiglu)
+    return ours, reference
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 64])
+@pytest.mark.parametrize("capacity", [0.5, 2.0])
+def test_every_form_gives_the_dense_result(moe, rows, capacity):
+    x = torch.randn(rows, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        ours, reference = forms(moe, x, capacity)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_overflow_is_detected_and_only_then(moe):
+    """At capacity 0.5, 64 rows overflow an expert's 8 places; at 3 (48 places) none does here."""
+    x = torch.randn(64, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(0))
+    _, ids = moe.gate(x)
+    owned = torch.ones_like(ids, dtype=torch.bool)
+    overflow = {c: bool(group_by_expert(ids, owned, 16, expert_capacity(64, 4, 16, c))[2]) for c in (0.5, 3.0)}
+    assert overflow == {0.5: True, 3.0: False}
+    slot, rows, _ = group_by_expert(ids, owned, 16, 48)
+    assert sorted(slot.tolist()) == sorted(set(slot.tolist()))  # one place per pair
+    assert (rows[slot] == torch.arange(64 * 4) // 4).all()  # each place holds its pair's token
+
+
+@pytest.mark.parametrize("capacity", [0.5, 2.0])
+def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, capacity):
+    """Each rank groups only the pairs of the experts it owns (its own overflow flag: no collective
+    inside either branch), and the partial sums add up to one rank's result."""
+    x = torch.randn(32, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole, _ = forms(moe, x, capacity, (0, 1))
+        parts = [forms(moe, x, capacity, (rank, 4))[0] for rank in range(4)]
+        forms(moe, x, capacity, (0, 1))  # (restore the one-rank buffers for the other tests)
+    torch.testing.assert_close(sum(parts), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_overflow_gives_the_tokens_of_no_overflow(tmp_path, cache_dir):
+    """A bundle whose prompt chunks overflow every step (expert_capacity 0.25: one place per
+    expert) runs the dense branch and generates the tokens of the default capacity's bundle."""
+    from deepinfer.runtime.engine import Engine, Request
+    from deepinfer.runtime.executor import BundleExecutor
+
+    tokens = {}
+    for capacity in (0.25, 2.0):
+        recipe = write_recipe(tmp_path, f"cap-{capacity}", backend={"name": "export"},
+                              model={"expert_capacity": capacity}, methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}})
+        bundle = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
+        engine = Engine.for_bundle(BundleExecutor(bundle))
+        requests = [Request(p, max_tokens=8) for p in ([5, 6, 7], list(range(20, 60)), [100] * 17)]
+        tokens[capacity] = [r.token_ids for r in engine.generate(requests)]
+    assert tokens[0.25] == tokens[2.0]

@@ -61,7 +61,9 @@ def subgraph(graph_module: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModu
     graph, env = fx.Graph(), {}
 
     def value(node):
-        if node not in env:
+        if node not in env and node.op == "get_attr":  # a torch.cond branch travels with the cond
+            env[node] = graph.node_copy(node)
+        elif node not in env:
             env[node] = graph.placeholder(node.name)
             env[node].meta = dict(node.meta)
         return env[node]

@@ -1,0 +1,153 @@
+"""Routed experts at prompt sizes: grouped (routed-only) against every expert on every token.
+
+    .venv/bin/python bench/moe_bench.py                # both configs (~10 min cold)
+    .venv/bin/python bench/moe_bench.py --configs 64x4
+
+Two measurements per config (context_bench's ~100M config, 16 experts top-4, and 64 experts top-4;
+weights as transformers initializes them, whose routing is as even as a trained DeepSeek's aims
+to be):
+1. The three forms of models/moe.py on one MoE layer, eager (the same BLAS calls AOTInductor
+   makes for them), ms by rows N: where each form starts to win (models/moe.py's switch points).
+2. Prefill tokens/s of one 512-token prompt through AOTInductor bundles that differ only in
+   model.expert_capacity: 2 (grouped, falling back to dense where an expert overflows) against
+   1024 (C >= N: the dense form, what bundles did before), and transformers eager on the same
+   weights; plus how many MoE layers overflowed.
+All timings in one process, the paths taking turns in rounds.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from context_bench import CONFIGS
+from decode_bench import save_hf_checkpoint
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import load_recipe
+from deepinfer.models import build_model
+from deepinfer.models.deepseek_v3 import swiglu
+from deepinfer.models.moe import dense, expert_capacity, gathered, group_by_expert, grouped
+from deepinfer.models.quantization import expert_weights
+from deepinfer.runtime.executor import BundleExecutor
+from deepinfer.runtime.step import Step
+
+PROMPT = 512
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
+ROUNDS = 5
+
+
+def take_turns(runs: dict, repeat: int) -> dict[str, float]:
+    """name -> fn(); median ms over ROUNDS rounds of `repeat` calls each, the runs interleaved."""
+    for fn in runs.values():
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, fn in runs.items():
+            for _ in range(repeat):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def forms_ms(moe, hidden: int) -> dict[int, dict[str, float]]:
+    """ms of each form on N rows routed by the layer's own router (no overflow: grouped at the
+    capacity that holds the step's busiest expert)."""
+    gate_up = expert_weights(moe, "experts_gate_up", torch.float32, None)
+    down = expert_weights(moe, "experts_down", torch.float32, None)
+    E = moe.n_local_experts
+    table = {}
+    for n in ROWS:
+        x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n))
+        weights, ids = moe.gate(x)
+        owned = torch.ones_like(ids, dtype=torch.bool)
+        busiest = int(torch.bincount(ids.flatten(), minlength=E).max())
+        slot, rows, overflow = group_by_expert(ids, owned, E, busiest)
+        assert not overflow
+        table[n] = take_turns({
+            "gathered": lambda: gathered(x, weights, ids, gate_up, down, swiglu),
+            "grouped": lambda: grouped(x, weights, slot, rows, gate_up(), down(), swiglu),
+            "dense": lambda: dense(x, weights, ids, gate_up(), down(), swiglu),
+        }, repeat=3)
+        table[n]["C / N"] = busiest / n
+    return table
+
+
+def write_recipe(work: Path, checkpoint: Path, name: str, capacity: float) -> Path:
+    recipe = {"name": name, "model": {"checkpoint": str(checkpoint), "expert_capacity": capacity}, "dtype": "float32",
+              "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [PROMPT]}}, "kv": {"max_seqs": 1, "max_len": 1024},
+              "backend": {"name": "inductor"}, "output": str(work / "bundles" / name)}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def overflowing_layers(model, tokens: torch.Tensor, capacity: float) -> str:
+    """'overflowed/MoE layers' in the eager model's prefill of `tokens` at `capacity`."""
+    seen = []
+
+    def check(moe, args):
+        _, ids = moe.gate(args[0])
+        C = expert_capacity(ids.shape[0], ids.shape[1], moe.config.n_routed_experts, capacity)
+        seen.append(bool(group_by_expert(ids, torch.ones_like(ids, dtype=torch.bool), moe.n_local_experts, C)[2]))
+
+    moes = [layer.mlp for layer in model.layers if layer.kind == "moe"]
+    handles = [m.register_forward_pre_hook(check) for m in moes]
+    T = tokens.shape[0]
+    with torch.inference_mode():
+        model.prefill(tokens, torch.arange(T), torch.zeros(T, dtype=torch.long), torch.tensor([0]), torch.tensor([T - 1]),
+                      model.new_state(1, 1024))
+    for handle in handles:
+        handle.remove()
+    return f"{sum(seen)}/{len(seen)}"
+
+
+def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
+    checkpoint = work / f"{name}-hf"
+    hf = save_hf_checkpoint({**config, "max_position_embeddings": 1024}, checkpoint)
+    model = build_model(checkpoint=checkpoint)
+    with torch.inference_mode():
+        forms = forms_ms(model.layers[1].mlp, config["hidden_size"])
+    cache = work / f"cache-{name}"
+    executors = {}
+    for label, capacity in (("grouped", 2.0), ("dense", 1024.0)):
+        recipe = load_recipe(write_recipe(work, checkpoint, f"{name}-{label}", capacity))
+        executors[label] = BundleExecutor(compile_recipe(recipe, jobs=jobs, cache_dir=cache, progress=False).bundle)
+    tokens = torch.randint(0, config["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(0))
+    step = Step("prefill", tokens, torch.arange(PROMPT), torch.zeros(PROMPT, dtype=torch.long), torch.tensor([0]),
+                torch.tensor([PROMPT - 1]))
+    with torch.inference_mode():
+        ms = take_turns({**{label: (lambda e=e: e.run(step)) for label, e in executors.items()},
+                         "hf_eager": lambda: hf(tokens[None])}, repeat=2)
+    return {"forms": forms, "tokens_per_s": {k: PROMPT / v * 1e3 for k, v in ms.items()},
+            "overflow": overflowing_layers(model, tokens, 2.0)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as tmp:
+        rows = {name: bench_config(name, CONFIGS[name], Path(tmp), args.jobs) for name in args.configs}
+    print(f"\nfloat32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name, row in rows.items():
+        c = CONFIGS[name]
+        print(f"\n{name} ({c['n_routed_experts']} experts, top-{c['num_experts_per_tok']}): one MoE layer's routed experts, "
+              "ms (eager) by rows")
+        print(f"{'rows':>5} {'gathered':>9} {'grouped':>9} {'dense':>9} {'C/N':>6}")
+        for n, f in row["forms"].items():
+            print(f"{n:5d} {f['gathered']:9.3f} {f['grouped']:9.3f} {f['dense']:9.3f} {f['C / N']:6.2f}")
+        t = row["tokens_per_s"]
+        print(f"prefill of {PROMPT} tokens, tokens/s: grouped {t['grouped']:.0f}, dense (before) {t['dense']:.0f}, "
+              f"transformers eager {t['hf_eager']:.0f}; grouped / dense = {t['grouped'] / t['dense']:.2f}x (target >= 4x "
+              f"on 64x4), grouped / transformers = {t['grouped'] / t['hf_eager']:.2f}x; MoE layers that overflowed at "
+              f"capacity 2: {row['overflow']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,18 +3,30 @@
 N rows (tokens) each routed to k experts; this rank holds E local experts (stacked weights) and
 computes the (row, expert) pairs whose expert it owns. No form branches on values in Python:
 
-    gathered  N * k < E           each row's k experts' weights are gathered and applied: reads
+    gathered  N * k < E / 2       each row's k experts' weights are gathered and applied: reads
                                   only the routed experts (decode)
     grouped   C < N               pairs grouped by expert into C rows per expert ([E, C, D]), each
                                   expert run once on its group (bmm), the results scattered back
                                   weighted: ~capacity x the routed FLOPs instead of E / k x (prompts)
     dense     otherwise           every local expert on every row, masked by the routing weights
 
-C = ceil(capacity * N * k / n_routed_experts), `capacity` times an even share of the pairs. A step
-where some expert is routed more than C pairs is exact all the same: `torch.cond` runs the dense
-form for that layer instead (the grouped rows are never partly dropped). The ranks of a
-multi-rank bundle may take different branches in one step — neither branch holds a collective
-(the MoE's all-reduce comes after both), so nothing can deadlock; each rank's partial sum is exact.
+The switch points are measured (bench/moe_bench.py, one MoE layer, ms by rows; eager ATen, the
+BLAS calls AOTInductor makes for these einsums):
+    16 experts top-4 (E/2 = 8 pairs)   rows 1: gathered 2.56, dense 1.80; rows 2: gathered 5.02,
+                                       grouped 2.28; rows 8: grouped 3.77, dense 4.36; rows 512:
+                                       grouped 21.6, dense 67.4
+    64 experts top-4 (E/2 = 32 pairs)  rows 4: gathered 5.62, grouped 5.88; rows 8: gathered 12.3,
+                                       grouped 6.95; rows 512: grouped 23.1, dense 171
+so gathering pays only below E / 2 pairs (it copies the picked experts before multiplying), and
+grouping beats the dense form as soon as C < N. Weights were cache-hot there; at decode they
+come from memory, where gathering k of E experts reads k / E of the bytes.
+
+C = ceil(capacity * N * k / n_routed_experts), `capacity` times an even share of the pairs. An
+expert routed more than C pairs in a step is exact all the same: its later pairs go to further
+grouped passes, places [C, 2C), [2C, 4C), [4C, 8C) ... up to N, each run only when some expert
+reaches it (`torch.cond`), so uneven routing costs a few more passes, never the dense form. The
+ranks of a multi-rank bundle may run different passes in one step — no pass holds a collective
+(the MoE's all-reduce comes after), so nothing can deadlock; each rank's partial sum is exact.
 """
 
 import math
@@ -22,9 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-# Pairs an expert may take in a grouped step, in multiples of an even share. Random routing over
-# 8-64 experts overflows 2x in well under 1% of layers at prompt sizes; a real checkpoint's
-# routing is less even (watch the dense fallback's cost in bench/moe_bench.py and raise it).
+# Places per expert in the first grouped pass, in multiples of an even share; an expert routed
+# more takes further passes (bench/moe_bench.py counts them).
 DEFAULT_CAPACITY = 2.0
 
 
@@ -44,22 +55,37 @@ def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: fl
     owned = (ids >= moe.owned_begin) & (ids < moe.owned_end)
     weights = torch.where(owned, weights, 0.0).to(x.dtype)
     local_ids = (ids - moe.expert_offset).clamp(0, E - 1)
-    if N * k < E:
+    if 2 * N * k < E:
         return gathered(x, weights, local_ids, gate_up, down, activation)
     C = expert_capacity(N, k, moe.config.n_routed_experts, capacity)
     if C >= N:
         return dense(x, weights, local_ids, gate_up(), down(), activation)
-    slot, rows, overflow = group_by_expert(local_ids, owned, E, C)
+    expert, place = expert_places(local_ids, owned, E)
+    busiest = place.max() + 1  # pairs of the busiest expert
 
-    # The branches read the expert weights themselves (a weight passed as an operand would alias
-    # the parameter, which torch.cond refuses), so only the branch taken dequantizes fp8 ones.
-    def grouped_branch(x, weights, local_ids, slot, rows):
-        return grouped(x, weights, slot, rows, gate_up(), down(), activation)
+    # A pass reads the expert weights itself (a weight passed as a torch.cond operand would alias
+    # the parameter, which cond refuses), so only passes that run dequantize fp8 ones.
+    def grouped_pass(start: int, size: int):
+        return lambda x, weights, expert, place: grouped(x, weights, expert, place, start, size, gate_up(), down(), activation)
 
-    def dense_branch(x, weights, local_ids, slot, rows):
-        return dense(x, weights, local_ids, gate_up(), down(), activation)
+    def skipped(x, weights, expert, place):
+        return torch.zeros_like(x)
 
-    return torch.cond(overflow, dense_branch, grouped_branch, (x, weights, local_ids, slot, rows))
+    passes = grouped_passes(C, N)
+    out = grouped_pass(*passes[0])(x, weights, expert, place)
+    for start, size in passes[1:]:
+        out = out + torch.cond(busiest > start, grouped_pass(start, size), skipped, (x, weights, expert, place))
+    return out
+
+
+def grouped_passes(C: int, N: int) -> list[tuple[int, int]]:
+    """(first place, places) of each grouped pass: [0, C), [C, 2C), [2C, 4C) ... until N."""
+    passes, start = [(0, C)], C
+    while start < N:
+        size = min(start, N - start)
+        passes.append((start, size))
+        start += size
+    return passes
 
 
 def gathered(x, weights, local_ids, gate_up, down, activation):
@@ -76,30 +102,27 @@ def dense(x, weights, local_ids, w_gate_up, w_down, activation):
     return torch.einsum("ned,ne->nd", y, combine)
 
 
-def group_by_expert(local_ids, owned, E: int, C: int):
-    """Where each (row, expert) pair goes among E groups of C rows.
-
-    -> slot [N*k]: the pair's grouped row, expert * C + its place among that expert's pairs (in row
-    order), or E * C (a zero row) for a pair this rank does not compute or that found no room;
-    rows [E*C]: the token each grouped row holds (N: none, a zero row); overflow []: some owned
-    pair found no room."""
-    N, k = local_ids.shape
-    expert = torch.where(owned, local_ids, E).flatten()  # [P]; E: not computed here
+def expert_places(local_ids, owned, E: int):
+    """expert [N*k]: each (row, expert) pair's local expert, E for a pair this rank does not
+    compute; place [N*k]: how many pairs of the same expert come before it (in row order)."""
+    expert = torch.where(owned, local_ids, E).flatten()
     onehot = F.one_hot(expert, E + 1).to(torch.int32)  # [P, E + 1]
-    place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # [P]: earlier pairs of the same expert
-    computed = expert < E
-    fits = computed & (place < C)
-    slot = torch.where(fits, expert * C + place, E * C)
-    token = torch.arange(N * k, device=local_ids.device) // k
-    rows = torch.full((E * C + 1,), N, dtype=torch.int64, device=local_ids.device).scatter(0, slot, token)
-    return slot, rows[: E * C], (computed & ~fits).any()
+    place = (onehot.cumsum(0) * onehot).sum(-1) - 1
+    return expert, torch.where(expert < E, place, -1)
 
 
-def grouped(x, weights, slot, rows, w_gate_up, w_down, activation):
+def grouped(x, weights, expert, place, start: int, size: int, w_gate_up, w_down, activation):
+    """The pairs with places [start, start + size): gathered into `size` rows per expert, each
+    expert run on its rows, the results scattered back weighted."""
     (N, D), E = x.shape, w_gate_up.shape[0]
-    padded = torch.cat([x, x.new_zeros(1, D)])  # row N: the zero row empty group places read
-    xs = padded.index_select(0, rows).view(E, -1, D)  # [E, C, D]
-    gate, up = torch.einsum("ecd,efd->ecf", xs, w_gate_up).chunk(2, dim=-1)  # [E, C, I] each
-    y = torch.einsum("eci,edi->ecd", activation(gate, up), w_down).flatten(0, 1)  # [E*C, D]
-    y = torch.cat([y, y.new_zeros(1, D)])  # row E*C: what pairs without a place read
-    return (y.index_select(0, slot).view(N, -1, D) * weights[..., None]).sum(dim=1)
+    k = expert.shape[0] // N
+    here = (place >= start) & (place < start + size)  # (not computed: place -1)
+    slot = torch.where(here, expert * size + place - start, E * size)  # E * size: a zero row
+    token = torch.arange(N * k, device=x.device) // k
+    rows = torch.full((E * size + 1,), N, dtype=torch.int64, device=x.device).scatter(0, slot, token)[: E * size]
+    padded = torch.cat([x, x.new_zeros(1, D)])  # row N: the zero row empty places read
+    xs = padded.index_select(0, rows).view(E, size, D)
+    gate, up = torch.einsum("ecd,efd->ecf", xs, w_gate_up).chunk(2, dim=-1)  # [E, size, I] each
+    y = torch.einsum("eci,edi->ecd", activation(gate, up), w_down).flatten(0, 1)  # [E*size, D]
+    y = torch.cat([y, y.new_zeros(1, D)])
+    return (y.index_select(0, slot).view(N, k, D) * weights[..., None]).sum(dim=1)

@@ -1,5 +1,6 @@
-"""The routed experts' static forms agree: gathered, grouped (with and without overflow) and dense
-give one result, on one rank and summed over ranks that each own part of the experts."""
+"""The routed experts' static forms agree: gathered, grouped (one pass, or more where an expert is
+routed past its capacity) and dense give one result, on one rank and summed over ranks that each
+own part of the experts."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import load_recipe
 from deepinfer.models import TINY_CONFIG, build_model
-from deepinfer.models.moe import dense, expert_capacity, group_by_expert, routed_experts
+from deepinfer.models.moe import dense, expert_places, grouped_passes, routed_experts
 from deepinfer.models.parallel import Layout, rank_buffers
 from deepinfer.models.deepseek_v3 import swiglu
 from deepinfer.models.quantization import expert_weights
@@ -45,22 +46,25 @@ def test_every_form_gives_the_dense_result(moe, rows, capacity):
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_overflow_is_detected_and_only_then(moe):
-    """At capacity 0.5, 64 rows overflow an expert's 8 places; at 3 (48 places) none does here."""
-    x = torch.randn(64, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(0))
-    _, ids = moe.gate(x)
-    owned = torch.ones_like(ids, dtype=torch.bool)
-    overflow = {c: bool(group_by_expert(ids, owned, 16, expert_capacity(64, 4, 16, c))[2]) for c in (0.5, 3.0)}
-    assert overflow == {0.5: True, 3.0: False}
-    slot, rows, _ = group_by_expert(ids, owned, 16, 48)
-    assert sorted(slot.tolist()) == sorted(set(slot.tolist()))  # one place per pair
-    assert (rows[slot] == torch.arange(64 * 4) // 4).all()  # each place holds its pair's token
+def test_places_count_each_experts_earlier_pairs():
+    ids = torch.tensor([[0, 2], [2, 1], [2, 0], [3, 1]])
+    owned = ids != 3  # expert 3 is computed elsewhere
+    expert, place = expert_places(ids, owned, 4)
+    assert expert.tolist() == [0, 2, 2, 1, 2, 0, 4, 1]
+    assert place.tolist() == [0, 0, 1, 0, 2, 1, -1, 1]
+
+
+def test_passes_cover_every_place_once():
+    assert grouped_passes(3, 16) == [(0, 3), (3, 3), (6, 6), (12, 4)]
+    for C, N in [(1, 1), (1, 16), (5, 64), (7, 512)]:
+        places = [p for start, size in grouped_passes(C, N) for p in range(start, start + size)]
+        assert places == list(range(N))
 
 
 @pytest.mark.parametrize("capacity", [0.5, 2.0])
 def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, capacity):
-    """Each rank groups only the pairs of the experts it owns (its own overflow flag: no collective
-    inside either branch), and the partial sums add up to one rank's result."""
+    """Each rank groups only the pairs of the experts it owns (running its own number of passes: no
+    collective inside any), and the partial sums add up to one rank's result."""
     x = torch.randn(32, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         whole, _ = forms(moe, x, capacity, (0, 1))
@@ -70,8 +74,8 @@ def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, capacity):
 
 
 def test_compiled_overflow_gives_the_tokens_of_no_overflow(tmp_path, cache_dir):
-    """A bundle whose prompt chunks overflow every step (expert_capacity 0.25: one place per
-    expert) runs the dense branch and generates the tokens of the default capacity's bundle."""
+    """A bundle whose prompt chunks overflow every step (expert_capacity 0.25: one place per expert
+    in the first pass, so every further pass runs) generates the tokens of the default capacity's."""
     from deepinfer.runtime.engine import Engine, Request
     from deepinfer.runtime.executor import BundleExecutor
 

@@ -40,8 +40,10 @@ def bundles(checkpoint, tmp_path_factory, cache_dir):
     work = tmp_path_factory.mktemp("multirank")
     out = {}
     for name, parallel in LAYOUTS.items():
-        recipe = write_recipe(work, name, model={"checkpoint": str(directory), "config": None}, parallel=parallel,
-                              backend={"name": "export"}, methods={"decode": {"buckets": [1, 2, 4]}, "prefill": {"buckets": [8, 32]}})
+        capacity = 0.25 if name == "ws2_tp2_ep2" else 2.0  # one place per expert: every prompt chunk takes extra passes
+        recipe = write_recipe(work, name, model={"checkpoint": str(directory), "config": None, "expert_capacity": capacity},
+                              parallel=parallel, backend={"name": "export"},
+                              methods={"decode": {"buckets": [1, 2, 4]}, "prefill": {"buckets": [8, 32]}})
         out[name] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
     return out
 

@@ -66,15 +66,16 @@ def step_at(executor: BundleExecutor, position: int) -> Step:
     return Step("decode", torch.tensor([7]), torch.tensor([position]), torch.tensor([0]), context=context)
 
 
-def median_ms(runs: dict) -> dict[str, float]:
-    """name -> fn(); the runs take turns, ROUNDS rounds of STEPS_PER_ROUND steps each."""
+def take_turns(runs: dict, repeat: int = STEPS_PER_ROUND) -> dict[str, float]:
+    """name -> fn(); median ms per call over ROUNDS rounds of `repeat` calls each, the runs taking
+    turns so a noisy stretch of this shared machine falls on all of them alike."""
     for fn in runs.values():
         for _ in range(WARMUP):
             fn()
     times = {name: [] for name in runs}
     for _ in range(ROUNDS):
         for name, fn in runs.items():
-            for _ in range(STEPS_PER_ROUND):
+            for _ in range(repeat):
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
@@ -95,7 +96,7 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
                 step = step_at(executor, position)
                 runs[bundle, position] = lambda executor=executor, step=step: executor.run(step)
     with torch.inference_mode():
-        ms = median_ms(runs)
+        ms = take_turns(runs)
     return {"ms": ms, "regions": {b: s.unique_regions for b, s in summaries.items()},
             "programs": {b: s.programs for b, s in summaries.items()}}
 

@@ -16,15 +16,13 @@ All timings in one process, the paths taking turns in rounds.
 """
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import yaml
 
-from context_bench import CONFIGS
+from context_bench import CONFIGS, take_turns
 from decode_bench import save_hf_checkpoint
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import load_recipe
@@ -37,21 +35,6 @@ from deepinfer.runtime.step import Step
 
 PROMPT = 512
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
-ROUNDS = 5
-
-
-def take_turns(runs: dict, repeat: int) -> dict[str, float]:
-    """name -> fn(); median ms over ROUNDS rounds of `repeat` calls each, the runs interleaved."""
-    for fn in runs.values():
-        fn()
-    times = {name: [] for name in runs}
-    for _ in range(ROUNDS):
-        for name, fn in runs.items():
-            for _ in range(repeat):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def forms_ms(moe, hidden: int) -> dict[int, dict[str, float]]:

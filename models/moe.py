@@ -3,23 +3,23 @@
 N rows (tokens) each routed to k experts; this rank holds E local experts (stacked weights) and
 computes the (row, expert) pairs whose expert it owns. No form branches on values in Python:
 
-    gathered  N * k < E / 2       each row's k experts' weights are gathered and applied: reads
+    gathered  N * k < E           each row's k experts' weights are gathered and applied: reads
                                   only the routed experts (decode)
-    grouped   C < N               pairs grouped by expert into C rows per expert ([E, C, D]), each
+    grouped   N >= 32 and C < N   pairs grouped by expert into C rows per expert ([E, C, D]), each
                                   expert run once on its group (bmm), the results scattered back
                                   weighted: ~capacity x the routed FLOPs instead of E / k x (prompts)
     dense     otherwise           every local expert on every row, masked by the routing weights
 
-The switch points are measured (bench/moe_bench.py, one MoE layer, ms by rows; eager ATen, the
-BLAS calls AOTInductor makes for these einsums):
-    16 experts top-4 (E/2 = 8 pairs)   rows 1: gathered 2.56, dense 1.80; rows 2: gathered 5.02,
-                                       grouped 2.28; rows 8: grouped 3.77, dense 4.36; rows 512:
-                                       grouped 21.6, dense 67.4
-    64 experts top-4 (E/2 = 32 pairs)  rows 4: gathered 5.62, grouped 5.88; rows 8: gathered 12.3,
-                                       grouped 6.95; rows 512: grouped 23.1, dense 171
-so gathering pays only below E / 2 pairs (it copies the picked experts before multiplying), and
-grouping beats the dense form as soon as C < N. Weights were cache-hot there; at decode they
-come from memory, where gathering k of E experts reads k / E of the bytes.
+The switch points are measured (bench/moe_bench.py: one MoE layer, ms by rows, eager ATen — the
+BLAS calls AOTInductor makes for these einsums — weights cache-hot):
+    16 experts top-4   rows 16: grouped 5.17, dense 4.57; rows 32: grouped 6.55, dense 6.44;
+                       rows 64: grouped 7.36, dense 10.5; rows 512: grouped 22.3, dense 70.9
+    64 experts top-4   rows 8: grouped 7.08, dense 12.3; rows 32: grouped 11.3, dense 18.0;
+                       rows 512: grouped 25.2, dense 186
+Grouping wins from 32 rows on both. Below that a step is a decode batch, whose cost is reading
+weights from memory, not FLOPs: gathering reads the k / E of them that are routed, the dense
+form reads each expert once, and grouping reads each once per pass (an uneven small batch takes
+several), so decode batches keep gathered (N * k < E) and dense.
 
 C = ceil(capacity * N * k / n_routed_experts), `capacity` times an even share of the pairs. An
 expert routed more than C pairs in a step is exact all the same: its later pairs go to further
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 # Places per expert in the first grouped pass, in multiples of an even share; an expert routed
 # more takes further passes (bench/moe_bench.py counts them).
 DEFAULT_CAPACITY = 2.0
+GROUPED_FROM_ROWS = 32  # (measured: see the module docstring)
 
 
 def expert_capacity(rows: int, k: int, n_routed_experts: int, capacity: float) -> int:
@@ -55,10 +56,10 @@ def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: fl
     owned = (ids >= moe.owned_begin) & (ids < moe.owned_end)
     weights = torch.where(owned, weights, 0.0).to(x.dtype)
     local_ids = (ids - moe.expert_offset).clamp(0, E - 1)
-    if 2 * N * k < E:
+    if N * k < E:
         return gathered(x, weights, local_ids, gate_up, down, activation)
     C = expert_capacity(N, k, moe.config.n_routed_experts, capacity)
-    if C >= N:
+    if N < GROUPED_FROM_ROWS or C >= N:
         return dense(x, weights, local_ids, gate_up(), down(), activation)
     expert, place = expert_places(local_ids, owned, E)
     busiest = place.max() + 1  # pairs of the busiest expert

@@ -37,7 +37,7 @@ def forms(moe, x, capacity: float, rank_of: tuple[int, int] | None = None) -> tu
     return ours, reference
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 16, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 32, 64])
 @pytest.mark.parametrize("capacity", [0.5, 2.0])
 def test_every_form_gives_the_dense_result(moe, rows, capacity):
     x = torch.randn(rows, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(rows))
@@ -65,7 +65,7 @@ def test_passes_cover_every_place_once():
 def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, capacity):
     """Each rank groups only the pairs of the experts it owns (running its own number of passes: no
     collective inside any), and the partial sums add up to one rank's result."""
-    x = torch.randn(32, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
+    x = torch.randn(64, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         whole, _ = forms(moe, x, capacity, (0, 1))
         parts = [forms(moe, x, capacity, (rank, 4))[0] for rank in range(4)]
@@ -75,14 +75,15 @@ def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, capacity):
 
 def test_compiled_overflow_gives_the_tokens_of_no_overflow(tmp_path, cache_dir):
     """A bundle whose prompt chunks overflow every step (expert_capacity 0.25: one place per expert
-    in the first pass, so every further pass runs) generates the tokens of the default capacity's."""
+    in the first pass of a 32-token chunk's 64 pairs, so further passes run) generates the tokens of
+    the default capacity's."""
     from deepinfer.runtime.engine import Engine, Request
     from deepinfer.runtime.executor import BundleExecutor
 
     tokens = {}
     for capacity in (0.25, 2.0):
         recipe = write_recipe(tmp_path, f"cap-{capacity}", backend={"name": "export"},
-                              model={"expert_capacity": capacity}, methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}})
+                              model={"expert_capacity": capacity}, methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [32]}})
         bundle = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
         engine = Engine.for_bundle(BundleExecutor(bundle))
         requests = [Request(p, max_tokens=8) for p in ([5, 6, 7], list(range(20, 60)), [100] * 17)]

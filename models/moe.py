@@ -23,8 +23,8 @@ several), so decode batches keep gathered (N * k < E) and dense.
 
 C = ceil(capacity * N * k / n_routed_experts), `capacity` times an even share of the pairs. An
 expert routed more than C pairs in a step is exact all the same: its later pairs go to further
-grouped passes, places [C, 2C), [2C, 4C), [4C, 8C) ... up to N, each run only when some expert
-reaches it (`torch.cond`), so uneven routing costs a few more passes, never the dense form. The
+grouped passes, places [C, 2C), [2C, 4C) and [4C, N), each run only when some expert reaches
+it (`torch.cond`), so uneven routing costs a pass or two more, not the dense form. The
 ranks of a multi-rank bundle may run different passes in one step — no pass holds a collective
 (the MoE's all-reduce comes after), so nothing can deadlock; each rank's partial sum is exact.
 """
@@ -80,12 +80,15 @@ def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: fl
 
 
 def grouped_passes(C: int, N: int) -> list[tuple[int, int]]:
-    """(first place, places) of each grouped pass: [0, C), [C, 2C), [2C, 4C) ... until N."""
-    passes, start = [(0, C)], C
-    while start < N:
-        size = min(start, N - start)
-        passes.append((start, size))
-        start += size
+    """(first place, places) of each grouped pass: [0, C), [C, 2C), [2C, 4C), [4C, N). Four at
+    most: each is a traced and compiled branch, and an expert past 4x its capacity is rare
+    enough to pay for nearly all rows in the last."""
+    passes, start = [], 0
+    for size in (C, C, 2 * C, N):
+        size = min(size, N - start)
+        if size > 0:
+            passes.append((start, size))
+            start += size
     return passes
 
 

@@ -1,18 +1,16 @@
 """The routed experts' static forms agree: gathered, grouped (one pass, or more where an expert is
 routed past its capacity) and dense give one result, on one rank and summed over ranks that each
-own part of the experts."""
+own part of the experts. Compiled bundles whose prompt chunks take every extra pass
+(expert_capacity 0.25): test_context_buckets (world size 1) and test_multirank (world size 2)."""
 
 import pytest
 import torch
 
-from deepinfer.compiler.build import compile_recipe
-from deepinfer.compiler.recipe import load_recipe
 from deepinfer.models import TINY_CONFIG, build_model
 from deepinfer.models.moe import dense, expert_places, grouped_passes, routed_experts
 from deepinfer.models.parallel import Layout, rank_buffers
 from deepinfer.models.deepseek_v3 import swiglu
 from deepinfer.models.quantization import expert_weights
-from tests.conftest import write_recipe
 
 CONFIG = {**TINY_CONFIG, "n_routed_experts": 16, "n_group": 4, "topk_group": 4, "num_experts_per_tok": 4}
 
@@ -56,6 +54,8 @@ def test_places_count_each_experts_earlier_pairs():
 
 def test_passes_cover_every_place_once():
     assert grouped_passes(3, 16) == [(0, 3), (3, 3), (6, 6), (12, 4)]
+    assert grouped_passes(2, 64) == [(0, 2), (2, 2), (4, 4), (8, 56)]
+    assert grouped_passes(40, 64) == [(0, 40), (40, 24)]
     for C, N in [(1, 1), (1, 16), (5, 64), (7, 512)]:
         places = [p for start, size in grouped_passes(C, N) for p in range(start, start + size)]
         assert places == list(range(N))
@@ -71,21 +71,3 @@ def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, capacity):
         parts = [forms(moe, x, capacity, (rank, 4))[0] for rank in range(4)]
         forms(moe, x, capacity, (0, 1))  # (restore the one-rank buffers for the other tests)
     torch.testing.assert_close(sum(parts), whole, atol=1e-5, rtol=1e-5)
-
-
-def test_compiled_overflow_gives_the_tokens_of_no_overflow(tmp_path, cache_dir):
-    """A bundle whose prompt chunks overflow every step (expert_capacity 0.25: one place per expert
-    in the first pass of a 32-token chunk's 64 pairs, so further passes run) generates the tokens of
-    the default capacity's."""
-    from deepinfer.runtime.engine import Engine, Request
-    from deepinfer.runtime.executor import BundleExecutor
-
-    tokens = {}
-    for capacity in (0.25, 2.0):
-        recipe = write_recipe(tmp_path, f"cap-{capacity}", backend={"name": "export"},
-                              model={"expert_capacity": capacity}, methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [32]}})
-        bundle = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
-        engine = Engine.for_bundle(BundleExecutor(bundle))
-        requests = [Request(p, max_tokens=8) for p in ([5, 6, 7], list(range(20, 60)), [100] * 17)]
-        tokens[capacity] = [r.token_ids for r in engine.generate(requests)]
-    assert tokens[0.25] == tokens[2.0]

@@ -40,7 +40,7 @@ def bundles(checkpoint, tmp_path_factory, cache_dir):
     work = tmp_path_factory.mktemp("multirank")
     out = {}
     for name, parallel in LAYOUTS.items():
-        capacity = 0.25 if name == "ws2_tp2_ep2" else 2.0  # one place per expert: every prompt chunk takes extra passes
+        capacity = 0.25 if name == "ws2_tp2_ep2" else 2.0  # 2 places per expert in a 32-token chunk: extra passes run
         recipe = write_recipe(work, name, model={"checkpoint": str(directory), "config": None, "expert_capacity": capacity},
                               parallel=parallel, backend={"name": "export"},
                               methods={"decode": {"buckets": [1, 2, 4]}, "prefill": {"buckets": [8, 32]}})

@@ -39,8 +39,10 @@ def _graph(graph_module: fx.GraphModule) -> list:
 
 
 def _target(target) -> str:
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-        return str(target) if isinstance(target, torch._ops.OpOverload) else f"higher_order.{target.name()}"
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):  # torch.cond
+        return f"higher_order.{target.name()}"
     return f"{target.__module__}.{target.__qualname__}"
 
 

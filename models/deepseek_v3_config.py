@@ -12,6 +12,11 @@ from .moe import DEFAULT_CAPACITY
 from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_quantization
 
 
+# Fields read or derived otherwise than by name from an HF config (rope from rope_parameters,
+# quantization from quantization_config, expert_capacity from the recipe).
+NOT_HF_FIELDS = ("rope", "quantization", "expert_capacity")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """RoPE over `qk_rope_head_dim`: the default form or YaRN, as HF `rope_parameters` write it."""
@@ -99,7 +104,7 @@ class DeepseekV3Config:
 
     def to_dict(self) -> dict:
         """HF-style dict (rope as `rope_parameters`) that `from_dict` reads back unchanged."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope", "quantization", "expert_capacity")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in NOT_HF_FIELDS}
         out["model_type"] = "deepseek_v3"
         out["rope_parameters"] = {f.name: getattr(self.rope, f.name) for f in fields(RopeConfig)}
         if self.quantization:
@@ -146,7 +151,7 @@ def _checked_fields(raw: dict, source: str) -> dict:
     for key, allowed in unsupported.items():
         if key in raw and raw[key] not in allowed:
             raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
-    known = {f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization", "expert_capacity"}
+    known = {f.name for f in fields(DeepseekV3Config)} - set(NOT_HF_FIELDS)
     values = {k: raw[k] for k in known if k in raw and raw[k] is not None}
     if raw.get("q_lora_rank", 0) is None:
         values["q_lora_rank"] = None  # null means a plain q projection
@@ -163,7 +168,7 @@ LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 <
 SIZE_LIMIT = 1 << 20
 _NON_NEGATIVE = ("n_shared_experts", "qk_nope_head_dim", "first_k_dense_replace")
 _OPTIONAL = ("q_lora_rank", "bos_token_id", "eos_token_id")  # may be null
-_READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - {"rope", "quantization", "expert_capacity"}) | {
+_READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - set(NOT_HF_FIELDS)) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "scoring_func", "topk_method",
     "pretraining_tp", "quantization_config", "num_key_value_heads"}
 
@@ -173,7 +178,7 @@ def _check_values(c: DeepseekV3Config, source: str):
     def fail(key, message):
         raise ConfigError(f"{source}: {key}={getattr(c, key, None)!r} {message}")
 
-    check_fields(c, source, skip=("rope", "quantization", "expert_capacity"), optional=_OPTIONAL, non_negative=_NON_NEGATIVE + _OPTIONAL, limits=LIMITS,
+    check_fields(c, source, skip=NOT_HF_FIELDS, optional=_OPTIONAL, non_negative=_NON_NEGATIVE + _OPTIONAL, limits=LIMITS,
                  size_limit=SIZE_LIMIT)
     if c.qk_rope_head_dim % 2:
         fail("qk_rope_head_dim", "must be even (RoPE rotates pairs of channels).")

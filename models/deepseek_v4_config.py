@@ -18,6 +18,11 @@ _LEGACY_RATIO = {0: SLIDING, 4: CSA, 128: HCA}
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 
+# Fields read or derived otherwise than by name from an HF config (the ropes from rope_parameters,
+# quantization from quantization_config, expert_capacity from the recipe).
+NOT_HF_FIELDS = ("rope", "compress_rope", "quantization", "expert_capacity")
+
+
 @dataclass(frozen=True)
 class DeepseekV4Config:
     vocab_size: int = 129280
@@ -89,7 +94,7 @@ class DeepseekV4Config:
     def to_dict(self) -> dict:
         """HF-style dict that `from_dict` reads back unchanged."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("rope", "compress_rope", "qk_rope_head_dim", "quantization", "expert_capacity")}
+               if f.name not in (*NOT_HF_FIELDS, "qk_rope_head_dim")}
         out.update(model_type="deepseek_v4", layer_types=list(self.layer_types), mlp_layer_types=list(self.mlp_layer_types),
                    partial_rotary_factor=self.qk_rope_head_dim / self.head_dim, rope_theta=self.rope.rope_theta,
                    compress_rope_theta=self.compress_rope.rope_theta)
@@ -123,7 +128,7 @@ class DeepseekV4Config:
                              "mlp_bias": (False,)}.items():
             if key in raw and raw[key] not in allowed:
                 raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
-        known = {f.name for f in fields(cls)} - {"rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization", "expert_capacity"}
+        known = {f.name for f in fields(cls)} - {*NOT_HF_FIELDS, "layer_types", "mlp_layer_types"}
         values = {k: raw[k] for k in known if raw.get(k) is not None}
         if isinstance(values.get("eos_token_id"), list) and values["eos_token_id"]:
             values["eos_token_id"] = values["eos_token_id"][0]
@@ -216,7 +221,7 @@ def _rope_dict(rope: RopeConfig) -> dict:
 
 LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 << 22, "num_attention_heads": 1024,
           "max_position_embeddings": 1 << 24, "hc_mult": 16, "hc_sinkhorn_iters": 100}
-_READ_KEYS = ({f.name for f in fields(DeepseekV4Config)} - {"rope", "compress_rope", "quantization", "expert_capacity"}) | {
+_READ_KEYS = ({f.name for f in fields(DeepseekV4Config)} - set(NOT_HF_FIELDS)) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "compress_rope_theta", "compress_rates",
     "compress_ratios", "num_hash_layers", "partial_rotary_factor", "hidden_act", "num_key_value_heads",
     "attention_bias", "mlp_bias", "quantization_config", "expert_dtype"}
@@ -229,7 +234,7 @@ def _check_values(c: DeepseekV4Config, source: str):
 
     if fp4_size_problem(c):
         fail(*fp4_size_problem(c))
-    check_fields(c, source, skip=("rope", "compress_rope", "layer_types", "mlp_layer_types", "quantization", "expert_capacity"),
+    check_fields(c, source, skip=(*NOT_HF_FIELDS, "layer_types", "mlp_layer_types"),
                  optional=("bos_token_id", "eos_token_id"), non_negative=("bos_token_id", "eos_token_id"), limits=LIMITS)
     if c.scoring_func not in SCORING_FUNCS:
         fail("scoring_func", f"is not supported (one of {SCORING_FUNCS}).")

@@ -130,12 +130,15 @@ class Bisector:
     def _run(self) -> Finding:
         start_time = time.perf_counter()
         n = len(self.sequence)
-        signature = self.trial(0, n)
+        # The whole region twice, to tell a deterministic failure from a flaky one: side by side when
+        # jobs allow (a hang costs the timeout once, not twice).
+        with ThreadPoolExecutor(min(self.jobs, 2)) as pool, self._kill_workers_on_interrupt():
+            signature, repeated = pool.map(lambda attempt: self.trial(0, n, attempt), (0, 1))
         self.chasing = signature
         finding = Finding(self.fp, signature)
         if signature == "ok":
             finding.signature = "does not reproduce (the region compiles on its own)"
-        elif self.trial(0, n, attempt=1) != signature:
+        elif repeated != signature:
             finding.deterministic = False
             finding.signature = f"non-deterministic: {signature!r}, then {self.state[f'0:{n}#1']!r}"
         else:

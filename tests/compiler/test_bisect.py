@@ -4,6 +4,7 @@ that makes the recipe compile, a resumable state, and honesty about non-determin
 import json
 import subprocess
 import sys
+import time
 
 import yaml
 
@@ -71,7 +72,14 @@ def test_hang_is_bisected_by_timeout_and_resumes_from_state(tmp_path, cache_dir)
     recipe = load_recipe(faulty(tmp_path, ["aten.cos", "aten.sin"], "hang"))
     the_plan = plan(recipe)
     embed = the_plan.programs["decode/1"].steps[0].region
-    first = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=15).run()
+    # Every hanging trial costs the whole timeout: bound trials at 3x what one that cannot hang (a
+    # single op, in a fresh worker) takes on this machine now, rather than at a fixed worst case.
+    probe = Bisector(recipe, the_plan, embed, tmp_path / "probe", timeout=300)
+    began = time.perf_counter()
+    assert probe.trial(0, 1) == "ok"
+    probe.workers.close()
+    timeout = max(5.0, 3 * (time.perf_counter() - began))
+    first = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=timeout, jobs=2).run()
     assert first.signature == "timeout"
     assert [op["target"] for op in first.ops][0] == "aten.cos.default" and first.ops[-1]["target"] == "aten.sin.default"
     assert first.boundary == {"op": "aten.sin", "module": "embed"}
@@ -81,7 +89,7 @@ def test_hang_is_bisected_by_timeout_and_resumes_from_state(tmp_path, cache_dir)
     state = json.loads(state_file.read_text())
     kept = dict(list(state.items())[:-2])
     state_file.write_text(json.dumps(kept))
-    again = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=15).run()
+    again = Bisector(recipe, the_plan, embed, tmp_path / "out", timeout=timeout, jobs=2).run()
     assert (again.ops, again.boundary) == (first.ops, first.boundary)
     assert again.trials == len(state) - len(kept)
 

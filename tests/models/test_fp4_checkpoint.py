@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deepinfer.models import build_model
-from deepinfer.models.deepseek_v4_config import TINY_V4_CONFIG
 from deepinfer.models.quantization import e2m1_values, e8m0_values
+from tests.conftest import tiny_v4_config
 from tests.models.fp8_release import reference_tokens, write_v4_release
 from tests.models.test_fp8_checkpoint import PROMPTS, assert_prefill_logits_match, compile_fp8, run_tokens
 
@@ -34,7 +34,7 @@ def test_e8m0_decodes_every_code():
 def v4_release(tmp_path_factory):
     from tests.models.test_hf_parity import decisive_init
 
-    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TINY_V4_CONFIG)).eval()
+    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**tiny_v4_config())).eval()
     decisive_init(hf, seed=3)
     release, dequantized = tmp_path_factory.mktemp("v4-release"), tmp_path_factory.mktemp("v4-dequantized")
     write_v4_release(hf, release, dequantized)

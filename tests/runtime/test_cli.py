@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+from tests.conftest import uses_inductor_bundle
+
+pytestmark = uses_inductor_bundle
+
 
 def run(*args, env=None):
     import os

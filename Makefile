@@ -25,7 +25,7 @@ demo: setup
 	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-v4 --prompt "Hello, DeepSeek-V4!" --max-tokens 24
 
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q
 
 serve: setup
 	test -f artifacts/tiny/manifest.json || $(VENV)/bin/deepinfer-compile recipes/tiny.yaml

@@ -12,9 +12,6 @@ TINY_V4_RECIPE = ROOT / "recipes" / "tiny-v4.yaml"
 # The session's AOTInductor bundle of the tiny recipe keeps one bucket a method: each bucket is 4
 # more AOTInductor compiles (~15 s each here); the export bundle keeps the recipe's two.
 INDUCTOR_METHODS = {"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}}
-# `make test` spreads tests over 2 processes (pytest-xdist), each with its own session fixtures:
-# the tests that use the AOTInductor bundle share one process, so it is compiled once.
-uses_inductor_bundle = pytest.mark.xdist_group("tiny-inductor-bundle")
 
 
 def write_recipe(directory: Path, name: str = "tiny", **changes) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from deepinfer.compiler.build import compile_recipe, plan
 from deepinfer.compiler.cache import CompileCache
 from deepinfer.compiler.recipe import load_recipe
-from tests.conftest import INDUCTOR_METHODS, uses_inductor_bundle, write_recipe
+from tests.conftest import INDUCTOR_METHODS, write_recipe
 
 SMALL = {"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}}  # 8 regions, 2 of them hold aten.sigmoid
 
@@ -50,7 +50,6 @@ def test_a_tampered_cache_entry_is_recompiled_not_shipped(tmp_path):
     assert {p.name: p.read_bytes() for p in (again.bundle / "regions").iterdir()} == originals
 
 
-@uses_inductor_bundle
 def test_inductor_artifacts_are_reproducible(tiny_bundle, cache_dir, tmp_path):
     tiny_bundle("inductor")  # every region compiled once into the session cache
     recipe = load_recipe(write_recipe(tmp_path, methods=INDUCTOR_METHODS), backend="inductor")

@@ -4,10 +4,6 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import uses_inductor_bundle
-
-pytestmark = uses_inductor_bundle
-
 
 def run(*args, env=None):
     import os

@@ -10,7 +10,7 @@ from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.manifest import Manifest
 
-from ..conftest import compile_tiny_v4, uses_inductor_bundle
+from ..conftest import compile_tiny_v4
 
 PROMPTS = [[5, 6, 7], list(range(20, 90)), [100] * 17, [9, 8], list(range(200, 230)), [40, 41, 42, 43, 44, 45], [77]]
 
@@ -29,7 +29,7 @@ def same_tokens_as_eager(bundle):
         assert [r.token_ids for r in compiled.generate(requests)] == expected
 
 
-@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=uses_inductor_bundle)])
+@pytest.mark.parametrize("backend", ["export", "inductor"])
 def test_compiled_tokens_equal_eager_tokens(tiny_bundle, backend):
     same_tokens_as_eager(tiny_bundle(backend))
 
@@ -59,7 +59,6 @@ def test_bundles_from_before_per_layer_state_still_run(tiny_bundle, tmp_path):
     same_tokens_as_eager(bundle)
 
 
-@uses_inductor_bundle
 def test_no_weights_inside_region_artifacts(tiny_bundle):
     bundle = tiny_bundle("inductor")
     weights = (bundle / "weights" / "rank-0.safetensors").stat().st_size

@@ -1,6 +1,6 @@
 """Decode speed of a compiled bundle against the eager paths, side by side, on the same weights.
 
-    .venv/bin/python bench/decode_bench.py                  # tiny and ~100M configs (a few minutes cold)
+    .venv/bin/python bench/decode_bench.py                  # tiny, ~100M and 64x4 configs (~10 minutes cold)
     .venv/bin/python bench/decode_bench.py --configs tiny   # just the tiny one
 
 For each config it saves random weights as an HF checkpoint, compiles bundles from it (regions
@@ -9,6 +9,11 @@ median over steps at positions 37..) for: the inductor bundle, the whole-graph b
 model, HF transformers eager, and torch.compile of our eager model; then the ratios the targets
 are stated in, the executor's host overhead per region call, and cold/warm compile seconds.
 All timings in one process on this machine's threads, the five paths taking turns in rounds.
+
+Then, per region of the split bundle's decode step: microseconds a call, the weight bytes a call
+reads and so the rate it reads them at (a routed expert stack counts k / n_routed_experts of its
+bytes: a batch-1 step reads the k experts it routes to; the embedding, one row). Decode at batch 1 is bound by reading
+weights, so a region well below the dense MLP's rate is doing something other than reading them.
 """
 
 import argparse
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import load_recipe
@@ -26,16 +32,10 @@ from deepinfer.models import TINY_CONFIG, build_model
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.step import Step
 
-CONFIGS = {
-    "tiny": TINY_CONFIG,
-    "100m": {  # ~97M parameters: 1 dense + 2 MoE layers of 16 experts, vocab 32000
-        "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "moe_intermediate_size": 512,
-        "num_hidden_layers": 3, "num_attention_heads": 8, "n_shared_experts": 1, "n_routed_experts": 16,
-        "kv_lora_rank": 256, "q_lora_rank": 384, "qk_rope_head_dim": 32, "v_head_dim": 64, "qk_nope_head_dim": 64,
-        "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4, "first_k_dense_replace": 1,
-        "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    },
-}
+from context_bench import CONFIGS as MOE_CONFIGS
+
+# tiny, ~100M (1 dense + 2 MoE layers of 16 experts top-4) and the same with 64 smaller experts
+CONFIGS = {"tiny": TINY_CONFIG, **MOE_CONFIGS}
 PROMPT_LEN, WARMUP, ROUNDS, STEPS_PER_ROUND = 32, 5, 10, 5
 STEPS = ROUNDS * STEPS_PER_ROUND
 MAX_SEQS, MAX_LEN = 2, 128
@@ -141,7 +141,35 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
     inside = sum(bundle.host_seconds.values())
     row["host_overhead_us_per_call"] = (sum(step_times) - inside) / (STEPS * calls) * 1e6
     row["region_calls_per_step"] = calls
+    row["regions"] = region_bandwidth(bundle, config)
     return row
+
+
+def region_bandwidth(executor: BundleExecutor, config: dict) -> list[dict]:
+    """One row per distinct region of decode/1 (from host_seconds gathered over STEPS steps): the
+    modules it runs for, calls a step, us a call, weight MB a call reads, GB/s."""
+    sizes = {name: t.nbytes for name, t in load_file(executor.bundle / executor.manifest.weight_files[0]).items()}
+    routed_share = config["num_experts_per_tok"] / config["n_routed_experts"]
+
+    def nbytes(name: str) -> float:
+        if ".mlp.experts_" in name:
+            return sizes[name] * routed_share
+        return sizes[name] / config["vocab_size"] if name.startswith("embed") else sizes[name]  # one row of the table
+
+    rows = {}
+    for step in executor.manifest.programs["decode/1"].steps:
+        if step.collective:
+            continue
+        weights = [n for n in step.inputs if n in sizes]
+        module = max(weights, key=nbytes).split(".")
+        module = ".".join(module[:3] if module[0] == "layers" else module[:1])
+        row = rows.setdefault(step.region, {"modules": [], "calls": 0, "mb": sum(map(nbytes, weights)) / 1e6})
+        row["modules"].append(module)
+        row["calls"] += 1
+    for fingerprint, row in rows.items():
+        row["us"] = executor.host_seconds[fingerprint] / (STEPS * row["calls"]) * 1e6
+        row["gb_s"] = row["mb"] / row["us"] * 1e3
+    return list(rows.values())
 
 
 def main():
@@ -160,6 +188,12 @@ def main():
               f"{r['our_eager_ms'] / r['bundle_ms']:11.2f}x {r['bundle_ms'] / r['whole_graph_ms']:11.2f}x | "
               f"{r['host_overhead_us_per_call']:12.1f} {r['compile_cold_s']:7.1f} {r['compile_warm_s']:7.1f}")
     print("targets: HF/bundle >= 2x, eager/bundle >= 1.5x, bundle/whole <= 1.10x")
+    for name, r in rows.items():
+        print(f"\n{name}: the split bundle's decode regions (batch 1; routed experts count the k read of E)")
+        print(f"{'largest weights':>28} {'calls':>5} {'us/call':>8} {'MB/call':>8} {'GB/s':>6}")
+        for region in sorted(r["regions"], key=lambda region: -region["us"] * region["calls"]):
+            modules = ",".join(sorted(set(region["modules"])))
+            print(f"{modules[:28]:>28} {region['calls']:5d} {region['us']:8.1f} {region['mb']:8.2f} {region['gb_s']:6.1f}")
 
 
 if __name__ == "__main__":

@@ -10,18 +10,14 @@ is faster than blocks: those are left as they are. Weights are region inputs, so
 and a strided batched matmul, never a copy of the weight.
 """
 
-import hashlib
-from pathlib import Path
-
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import Arg, CallFunction, PatternMatcherPass, register_graph_pattern
 
 aten = torch.ops.aten
 ROWS = range(4, 9)
 BLOCK = 64
 
-_patterns = PatternMatcherPass(pass_name="deepinfer_blocked_matmul")
+patterns = PatternMatcherPass(pass_name="deepinfer_blocked_matmul")
 
 
 def blocked(x, weight_t):
@@ -53,32 +49,19 @@ def applies(x: torch.fx.Node, weight_t: torch.fx.Node, batched: bool = False) ->
     return x.shape[0] in ROWS and N % BLOCK == 0 and tuple(w.stride()) == (1, K)
 
 
-@register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=_patterns)
+@register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=patterns)
 def _mm(match, x, weight_t):
     if applies(x, weight_t):
         match.replace_by_example(blocked, [x, weight_t])
 
 
-@register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()), pass_dict=_patterns)
+@register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()), pass_dict=patterns)
 def _addmm(match, bias, x, weight_t):
     if applies(x, weight_t):
         match.replace_by_example(lambda bias, x, weight_t: blocked(x, weight_t) + bias, [bias, x, weight_t])
 
 
-@register_graph_pattern(CallFunction(aten.bmm, Arg(), Arg()), pass_dict=_patterns)
+@register_graph_pattern(CallFunction(aten.bmm, Arg(), Arg()), pass_dict=patterns)
 def _bmm(match, x, weight_t):
     if applies(x, weight_t, batched=True):
         match.replace_by_example(blocked_batch_of_one, [x, weight_t])
-
-
-class BlockedMatmul(CustomGraphPass):
-    def __call__(self, graph: torch.fx.Graph):
-        _patterns.apply(graph)
-
-    def uuid(self) -> str:
-        return source_hash()
-
-
-def source_hash() -> str:
-    """Changes with this file, so compiled regions (whose fingerprints carry it) follow the pass."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]

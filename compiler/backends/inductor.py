@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 import torch._inductor
 
-from deepinfer.compiler.backends import blocked_matmul
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from deepinfer.compiler.backends import blocked_matmul, gathered_matvec
 
 EXTENSION = "aoti.pt2"
 
@@ -25,7 +27,8 @@ EXTENSION = "aoti.pt2"
 # decomposition pass turns into a fused multiply-reduce kernel (bench/decode_bench.py measures it
 # at batch 1). From 2 rows on that kernel re-reads the weight per row and loses to the BLAS call
 # (bench/mm_decomposition_bench.py: 2 rows 2x, 8 rows 3.8x slower), so batched decode and
-# prefill keep BLAS, cut into weight blocks at 4-8 rows (graph_passes: blocked_matmul.py).
+# prefill keep BLAS, cut into weight blocks at 4-8 rows (graph_passes: blocked_matmul.py). The
+# routed experts' products with gathered weights are reductions at any row count (gathered_matvec.py).
 DEFAULTS = {
     "post_grad_fusion_options": {
         "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 1, "cpu_max_other_dimension_decomposition": 1 << 30},
@@ -40,12 +43,33 @@ def unavailable():
 def versions() -> dict:
     # CPU artifacts carry the host ISA in their build flags; the machine name keeps caches apart.
     # The graph passes deepinfer adds change what a region compiles to: their source hash too.
-    return {"inductor_host": platform.machine(), "inductor_passes": blocked_matmul.source_hash()}
+    return {"inductor_host": platform.machine(), "inductor_passes": passes_hash()}
+
+
+PASSES = (blocked_matmul, gathered_matvec)  # modules, each with its `patterns`
+
+
+class GraphPasses(CustomGraphPass):
+    """deepinfer's own passes over inductor's post-grad graph (inductor runs them first)."""
+
+    def __call__(self, graph: torch.fx.Graph):
+        for module in PASSES:
+            module.patterns.apply(graph)
+
+    def uuid(self) -> str:
+        return passes_hash()
+
+
+def passes_hash() -> str:
+    """Changes with the passes' source, so compiled regions (whose fingerprints carry it) follow them."""
+    digest = hashlib.sha256()
+    for module in PASSES:
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def graph_passes():
-    """deepinfer's own passes over inductor's post-grad graph (inductor runs them first)."""
-    return blocked_matmul.BlockedMatmul()
+    return GraphPasses()
 
 
 def options(user: dict) -> dict:

@@ -10,7 +10,7 @@ model, HF transformers eager, and torch.compile of our eager model; then the rat
 are stated in, the executor's host overhead per region call, and cold/warm compile seconds.
 All timings in one process on this machine's threads, the five paths taking turns in rounds.
 
-Then, per region of the split bundle's decode step: microseconds a call, the weight bytes a call
+Then, per region of a bundle split per layer and before each layer's MLP: microseconds a call, the weight bytes a call
 reads and so the rate it reads them at (a routed expert stack counts k / n_routed_experts of its
 bytes: a batch-1 step reads the k experts it routes to; the embedding, one row). Decode at batch 1 is bound by reading
 weights, so a region well below the dense MLP's rate is doing something other than reading them.
@@ -71,11 +71,17 @@ def save_hf_checkpoint(config: dict, directory: Path):
     return model
 
 
-def write_recipe(directory: Path, checkpoint: Path, name: str, split_layers: bool) -> Path:
+# The per-region table's bundle also cuts each layer before its MLP (at the norm's first op), so
+# the MLP or MoE is a region of its own, apart from the attention.
+BEFORE_MLP = [{"op": "aten.pow", "module": "layers.*.post_attention_layernorm"}]
+
+
+def write_recipe(directory: Path, checkpoint: Path, name: str, split_layers: bool, boundaries=()) -> Path:
     recipe = {
         "name": name, "model": {"checkpoint": str(checkpoint)}, "dtype": "float32",
         "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}},
-        "kv": {"max_seqs": MAX_SEQS, "max_len": MAX_LEN}, "regions": {"split_layers": split_layers},
+        "kv": {"max_seqs": MAX_SEQS, "max_len": MAX_LEN},
+        "regions": {"split_layers": split_layers, "boundaries": list(boundaries)},
         "backend": {"name": "inductor"}, "output": str(directory / "bundles" / name),
     }
     path = directory / f"{name}.yaml"
@@ -102,6 +108,8 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
     compile_recipe(load_recipe(write_recipe(work, checkpoint, f"{name}-split", True)), jobs=jobs, cache_dir=cache, progress=False)
     row["compile_warm_s"] = time.perf_counter() - start
     whole = compile_recipe(load_recipe(write_recipe(work, checkpoint, f"{name}-whole", False)), jobs=jobs, cache_dir=cache, progress=False)
+    cut = compile_recipe(load_recipe(write_recipe(work, checkpoint, f"{name}-cut", True, BEFORE_MLP)), jobs=jobs, cache_dir=cache,
+                         progress=False)
 
     bundle = BundleExecutor(split.bundle)
     whole_bundle = BundleExecutor(whole.bundle)
@@ -141,13 +149,18 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
     inside = sum(bundle.host_seconds.values())
     row["host_overhead_us_per_call"] = (sum(step_times) - inside) / (STEPS * calls) * 1e6
     row["region_calls_per_step"] = calls
-    row["regions"] = region_bandwidth(bundle, config)
+    row["regions"] = region_bandwidth(BundleExecutor(cut.bundle), make, config)
     return row
 
 
-def region_bandwidth(executor: BundleExecutor, config: dict) -> list[dict]:
-    """One row per distinct region of decode/1 (from host_seconds gathered over STEPS steps): the
-    modules it runs for, calls a step, us a call, weight MB a call reads, GB/s."""
+def region_bandwidth(executor: BundleExecutor, make, config: dict) -> list[dict]:
+    """One row per distinct region of decode/1, timed over STEPS steps: the modules it runs for,
+    calls a step, us a call, weight MB a call reads, GB/s."""
+    executor.host_seconds = {}
+    for i in range(WARMUP + STEPS):
+        if i == WARMUP:
+            executor.host_seconds = {}
+        executor.run(make(PROMPT_LEN + i))
     sizes = {name: t.nbytes for name, t in load_file(executor.bundle / executor.manifest.weight_files[0]).items()}
     routed_share = config["num_experts_per_tok"] / config["n_routed_experts"]
 
@@ -161,7 +174,7 @@ def region_bandwidth(executor: BundleExecutor, config: dict) -> list[dict]:
         if step.collective:
             continue
         weights = [n for n in step.inputs if n in sizes]
-        module = max(weights, key=nbytes).split(".")
+        module = max(weights, key=nbytes, default="-").split(".")
         module = ".".join(module[:3] if module[0] == "layers" else module[:1])
         row = rows.setdefault(step.region, {"modules": [], "calls": 0, "mb": sum(map(nbytes, weights)) / 1e6})
         row["modules"].append(module)
@@ -189,7 +202,7 @@ def main():
               f"{r['host_overhead_us_per_call']:12.1f} {r['compile_cold_s']:7.1f} {r['compile_warm_s']:7.1f}")
     print("targets: HF/bundle >= 2x, eager/bundle >= 1.5x, bundle/whole <= 1.10x")
     for name, r in rows.items():
-        print(f"\n{name}: the split bundle's decode regions (batch 1; routed experts count the k read of E)")
+        print(f"\n{name}: decode regions, cut per layer and before each MLP (batch 1; routed experts count the k read of E)")
         print(f"{'largest weights':>28} {'calls':>5} {'us/call':>8} {'MB/call':>8} {'GB/s':>6}")
         for region in sorted(r["regions"], key=lambda region: -region["us"] * region["calls"]):
             modules = ",".join(sorted(set(region["modules"])))

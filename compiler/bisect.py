@@ -131,9 +131,13 @@ class Bisector:
         start_time = time.perf_counter()
         n = len(self.sequence)
         # The whole region twice, to tell a deterministic failure from a flaky one: side by side when
-        # jobs allow (a hang costs the timeout once, not twice).
-        with ThreadPoolExecutor(min(self.jobs, 2)) as pool, self._kill_workers_on_interrupt():
-            signature, repeated = pool.map(lambda attempt: self.trial(0, n, attempt), (0, 1))
+        # jobs allow (a hang costs the timeout once, not twice), else the second only if it failed.
+        if self.jobs > 1:
+            with ThreadPoolExecutor(2) as pool, self._kill_workers_on_interrupt():
+                signature, repeated = pool.map(lambda attempt: self.trial(0, n, attempt), (0, 1))
+        else:
+            signature = self.trial(0, n)
+            repeated = signature if signature == "ok" else self.trial(0, n, attempt=1)
         self.chasing = signature
         finding = Finding(self.fp, signature)
         if signature == "ok":

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch._inductor
-
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from deepinfer.compiler.backends import blocked_matmul, gathered_matvec

@@ -10,10 +10,11 @@ model, HF transformers eager, and torch.compile of our eager model; then the rat
 are stated in, the executor's host overhead per region call, and cold/warm compile seconds.
 All timings in one process on this machine's threads, the five paths taking turns in rounds.
 
-Then, per region of a bundle split per layer and before each layer's MLP: microseconds a call, the weight bytes a call
-reads and so the rate it reads them at (a routed expert stack counts k / n_routed_experts of its
-bytes: a batch-1 step reads the k experts it routes to; the embedding, one row). Decode at batch 1 is bound by reading
-weights, so a region well below the dense MLP's rate is doing something other than reading them.
+Then, per region of a bundle split per layer and before each layer's MLP: microseconds a call,
+the weight bytes a call reads and so the rate it reads them at (a routed expert stack counts
+k / n_routed_experts of its bytes: a batch-1 step reads the k experts it routes to; the
+embedding, one row). Decode at batch 1 is bound by reading weights, so a region well below the
+dense MLP's rate is doing something other than reading them.
 """
 
 import argparse

@@ -1,0 +1,25 @@
+"""DeepSeek-V3's group selection written without topk picks what topk picks."""
+
+import torch
+
+from deepinfer.models.deepseek_v3 import largest_mask, top_two_sum
+
+
+def test_top_two_sum_equals_topk_sum_with_repeated_maxima():
+    torch.manual_seed(0)
+    x = torch.randint(0, 4, (64, 8, 8)).float()  # few distinct values: groups with a repeated maximum
+    assert (x == x.amax(-1, keepdim=True)).sum(-1).max() > 1
+    torch.testing.assert_close(top_two_sum(x), x.topk(2, dim=-1)[0].sum(-1), rtol=0, atol=0)
+
+
+def test_largest_mask_selects_the_topk_set():
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    for k in (1, 4, 8):
+        expected = torch.zeros_like(x, dtype=torch.bool).scatter(1, x.topk(k, dim=-1)[1], True)
+        assert torch.equal(largest_mask(x, k), expected)
+
+
+def test_largest_mask_breaks_ties_to_the_lower_index():
+    x = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    assert largest_mask(x, 2).tolist() == [[False, True, True, False, False]]

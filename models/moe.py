@@ -3,7 +3,7 @@
 N rows (tokens) each routed to k experts; this rank holds E local experts (stacked weights) and
 computes the (row, expert) pairs whose expert it owns. No form branches on values in Python:
 
-    gathered  N * k < E           each row's k experts' weights are gathered and applied: reads
+    gathered  N * k <= E          each row's k experts' weights are gathered and applied: reads
                                   only the routed experts (decode)
     grouped   N >= 32 and C < N   pairs grouped by expert into C rows per expert ([E, C, D]), each
                                   expert run once on its group (bmm), the results scattered back
@@ -17,9 +17,16 @@ BLAS calls AOTInductor makes for these einsums — weights cache-hot):
     64 experts top-4   rows 8: grouped 7.08, dense 12.3; rows 32: grouped 11.3, dense 18.0;
                        rows 512: grouped 25.2, dense 186
 Grouping wins from 32 rows on both. Below that a step is a decode batch, whose cost is reading
-weights from memory, not FLOPs: gathering reads the k / E of them that are routed, the dense
+weights from memory, not FLOPs: gathering reads one expert per (row, expert) pair, the dense
 form reads each expert once, and grouping reads each once per pass (an uneven small batch takes
-several), so decode batches keep gathered (N * k < E) and dense.
+several), so decode batches keep gathered and dense. Gathering wins while the pairs are at most
+E (bench/moe_decode_bench.py: compiled by the inductor backend, weights cold, us per layer):
+    pairs / E            0.5          1.0          1.5          2.0
+    8 experts top-2      863 / 1638   1587 / 2016  2250 / 2208  2952 / 2321   (gathered / dense)
+    16 top-4             1595 / 3091  3107 / 3830  4475 / 4181  5836 / 4355
+    64 top-4 of 256      2946 / 8288  5637 / 13510 8192 / 15296 (rows 32: grouped)
+(64 small experts keep gathering ahead past E: the dense form's 9-31-row products are slow BLAS
+shapes; at the power-of-two batch buckets recipes use, pairs <= E picks the faster form.)
 
 C = ceil(capacity * N * k / n_routed_experts), `capacity` times an even share of the pairs. An
 expert routed more than C pairs in a step is exact all the same: its later pairs go to further
@@ -56,7 +63,7 @@ def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: fl
     owned = (ids >= moe.owned_begin) & (ids < moe.owned_end)
     weights = torch.where(owned, weights, 0.0).to(x.dtype)
     local_ids = (ids - moe.expert_offset).clamp(0, E - 1)
-    if N * k < E:
+    if N * k <= E:
         return gathered(x, weights, local_ids, gate_up, down, activation)
     C = expert_capacity(N, k, moe.config.n_routed_experts, capacity)
     if N < GROUPED_FROM_ROWS or C >= N:

@@ -40,3 +40,18 @@ def test_blocked_matmul_covers_einsum_without_batch_dimensions():
     torch.testing.assert_close(got, experts_up(x, w), atol=1e-4, rtol=1e-4)
     # one bmm: the 4 rows seen by each of the 8 blocks of 64 weight rows, without a copy (stride 0)
     assert code.count("extern_kernels.bmm(reinterpret_tensor(arg0_1, (8, 4, 96), (0, 96, 1), 0)") == 1, code
+
+
+def test_einsum_without_batch_dimensions_keeps_blas_at_other_row_counts():
+    """inductor's mm decomposition (the backend's DEFAULTS) would make any batch-of-one bmm a
+    reduction that re-reads the weight per row; past one row it stays one BLAS product."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 64, 96)
+    for rows, blas_calls in ((1, 0), (2, 1), (16, 1)):
+        x = torch.randn(rows, 96)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes(),
+                                          post_grad_fusion_options=inductor.DEFAULTS["post_grad_fusion_options"]):
+            got, (code, *_) = run_and_get_code(torch.compile(experts_up, dynamic=False, backend="inductor"), x, w)
+        torch.testing.assert_close(got, experts_up(x, w), atol=1e-4, rtol=1e-4)
+        assert code.count("extern_kernels.mm(") == blas_calls, (rows, code)

@@ -50,7 +50,7 @@ def measure_writing(recipe_path: Path, out: Path) -> dict[str, int]:
 
     recipe = load_recipe(recipe_path)
     plan = build.plan(recipe)
-    write = build.weight_writer(recipe, plan.weight_names, build._layout(recipe))
+    write = build.weight_writer(recipe, plan.weight_names, build.recipe_layout(recipe))
     before, peak, done = memory(), memory(), threading.Event()
 
     def sample():

@@ -83,24 +83,25 @@ def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
                        device=device, layout=layout, quantized_weights=m["quantized_weights"], expert_capacity=m["expert_capacity"])
 
 
-def _layout(recipe: Recipe) -> Layout:
+def recipe_layout(recipe: Recipe) -> Layout:
     p = recipe.parallel
     return Layout(p["world_size"], p["tp"], p["ep"])
 
 
-def plan(recipe: Recipe) -> Plan:
-    """Trace every (method, bucket) on fake weights, split, fingerprint, and lay out the schedules."""
+def plan(recipe: Recipe, check_weights: bool = True) -> Plan:
+    """Trace every (method, bucket) on fake weights, split, fingerprint, and lay out the schedules.
+    `check_weights=False` reads only the checkpoint's config.json (a plan before downloading it)."""
     try:
-        model = _model(recipe, "fake", _layout(recipe))
+        model = _model(recipe, "fake", recipe_layout(recipe))
     except LayoutError as err:
         raise RecipeError(f"{recipe.name}: {err}") from None
-    if recipe.model["checkpoint"]:
+    if recipe.model["checkpoint"] and check_weights:
         check_checkpoint(recipe.model["checkpoint"], _model(recipe, "meta"))
     state = [[StateTensor(s.name, list(s.shape), _dtype_name(s.dtype), s.positions_per_entry) for s in layer]
              for layer in model.state_specs(recipe.kv["max_seqs"], recipe.kv["max_len"])]
     _check_state_pool(recipe, state)
     backend = backend_module(recipe.backend)
-    toolchain = {**toolchain_versions(), **backend.versions()}
+    toolchain = {**toolchain_versions(), **({} if backend.unavailable() else backend.versions())}  # (only a plan)
     options = backend.options(recipe.backend_options)
     programs, units = trace.trace_programs(model, recipe.buckets, recipe.contexts, recipe.kv["max_seqs"], recipe.kv["max_len"],
                                            recipe.split_layers)
@@ -251,16 +252,24 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
     return artifacts, hits
 
 
-def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
-    """write_weights(directory) for the bundle: per-rank files streamed from the checkpoint (only each
-    rank's slices are read), or cut from the random model of a config + seed recipe."""
-    full = _model(recipe, "meta")  # full shapes; derived buffers (rope frequencies) are real
+def weight_specs(recipe: Recipe, names: list[str], layout: Layout, full=None) -> list[tuple[str, list[int], torch.dtype]]:
+    """(name, shape, dtype) of each bundle weight as a rank stores it (every rank's shard has the
+    same shape), from meta models: nothing is read or allocated."""
+    full = full or _model(recipe, "meta")
     sharded = _model(recipe, "meta", layout)
     specs = []
     for name in names:
         tensor = trace.tensor_at(sharded, name)
         dtype = stored_dtype(full, name, DTYPES[recipe.dtype]) if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
         specs.append((name, list(tensor.shape), dtype))
+    return specs
+
+
+def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
+    """write_weights(directory) for the bundle: per-rank files streamed from the checkpoint (only each
+    rank's slices are read), or cut from the random model of a config + seed recipe."""
+    full = _model(recipe, "meta")  # full shapes; derived buffers (rope frequencies) are real
+    specs = weight_specs(recipe, names, layout, full)
     derived = dict(full.named_buffers())
     checkpoint = recipe.model["checkpoint"]
     if checkpoint:
@@ -298,14 +307,17 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
                    progress: bool = True, sign_key: bytes | None = None) -> Summary:
     from deepinfer.runtime import knobs
 
+    from .footprint import check_fits  # (footprint builds on this module's plan)
+
     start = time.perf_counter()
     check_output(recipe.output)
     cache = CompileCache(cache_dir or knobs.cache_dir())
     the_plan = plan(recipe)
+    check_fits(recipe, the_plan)
     _check_random_weights_fit(recipe)
     artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress)
 
-    layout = _layout(recipe)
+    layout = recipe_layout(recipe)
     cfg = the_plan.model_config
     checkpoint = recipe.model["checkpoint"]
     carried = tokenizer_files(checkpoint)

@@ -2,6 +2,7 @@
 
     deepinfer-compile recipes/tiny.yaml                      # -> artifacts/tiny
     deepinfer-compile recipes/tiny.yaml --backend export --out /tmp/tiny --jobs 4 --timeout 600
+    deepinfer-compile plan recipes/deepseek-v3-671b.yaml     # what it needs per rank; compiles nothing
 
 Prints a progress bar over the regions and a summary line; exits 2 on a bad recipe, 1 when a
 region fails to compile (with a per-region report, and no bundle written).
@@ -69,6 +70,29 @@ def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key):
                    "(run the same command again to continue), and no bundle was written.", err=True)
         sys.exit(130)
     click.echo(f"compiled {summary}")
+
+
+@main.command("plan", context_settings=HELP)
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout instead of tables")
+def plan_command(recipe, as_json):
+    """What RECIPE compiles to, without compiling: programs, region calls and unique regions; per
+    rank the weight, state pool and largest-activation bytes; and, when the recipe gives
+    parallel.device_memory_gib, whether each rank fits (exit 2 when not). Writes nothing."""
+    import json
+
+    from .footprint import format_report, report
+    from .recipe import load_recipe
+
+    try:
+        plan_report = report(load_recipe(recipe, backend_installed=False))
+    except DeepinferError as err:
+        click.echo(f"deepinfer-compile plan: {err}", err=True)
+        sys.exit(err.exit_code)
+    click.echo(json.dumps(plan_report) if as_json else format_report(plan_report))
+    if plan_report["problem"]:
+        click.echo(f"deepinfer-compile plan: {plan_report['problem']}", err=True)
+        sys.exit(2)
 
 
 @main.command("bisect", context_settings=HELP)

@@ -22,6 +22,7 @@ MAX_NODES = 10_000  # values in a recipe once YAML aliases are expanded
 MAX_SEQS = 1 << 16  # sequence slots in the KV pool
 MAX_LEN = 1 << 24  # positions per slot
 MAX_BUCKETS = 64  # per method
+MAX_DEVICE_MEMORY_GIB = 1 << 20
 
 
 class RecipeError(DeepinferError):
@@ -33,7 +34,7 @@ class Recipe:
     name: str
     model: dict  # arch, checkpoint | config, seed, quantized_weights, expert_capacity
     dtype: str
-    parallel: dict  # world_size, tp, ep
+    parallel: dict  # world_size, tp, ep, hierarchical_allreduce, device_memory_gib (None: not checked)
     buckets: dict[str, list[int]]  # method -> sorted buckets
     contexts: dict[str, list[int]]  # method -> sorted context buckets (ending at kv.max_len); absent: whole pool
     kv: dict  # max_seqs, max_len
@@ -52,7 +53,8 @@ SCHEMA = {
     "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0),
               "quantized_weights": (str, "keep"), "expert_capacity": (float, DEFAULT_CAPACITY)},
     "dtype": (str, "float32"),
-    "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0)},
+    "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0),
+                 "device_memory_gib": (float, None)},
     "methods": {m: {"buckets": (list, REQUIRED), "context": (list, None)} for m in ("decode", "prefill")},
     "kv": {"max_seqs": (int, REQUIRED), "max_len": (int, REQUIRED)},
     "regions": {"split_layers": (bool, True), "boundaries": (list, [])},
@@ -61,8 +63,11 @@ SCHEMA = {
 }
 
 
-def load_recipe(path: str | Path, backend: str | None = None, output: str | Path | None = None) -> Recipe:
-    """Read and validate a recipe; `backend` and `output` override the file (command-line flags)."""
+def load_recipe(path: str | Path, backend: str | None = None, output: str | Path | None = None,
+                backend_installed: bool = True) -> Recipe:
+    """Read and validate a recipe; `backend` and `output` override the file (command-line flags).
+    `backend_installed=False` accepts a known backend that is not installed here (planning for
+    another machine: nothing is compiled)."""
     path = Path(path)
     try:
         text = path.read_bytes().decode("utf-8")
@@ -115,6 +120,11 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     if node and (node < 2 or values["parallel"]["world_size"] % node or node == values["parallel"]["world_size"]):
         fail("parallel.hierarchical_allreduce", f"{node} must be a group size (ranks per node) that divides "
              f"world_size={values['parallel']['world_size']} into at least two groups, or 0 for a flat all-reduce.")
+    memory = values["parallel"]["device_memory_gib"]
+    if memory is not None and not 0 < memory <= MAX_DEVICE_MEMORY_GIB:
+        fail("parallel.device_memory_gib", f"{memory} must be in (0, {MAX_DEVICE_MEMORY_GIB}]: the memory of one rank's "
+             "device in GiB (e.g. 141 for an H200), which each rank's weights, state pool and largest activation must fit; "
+             "deepinfer-compile plan RECIPE shows them.")
     kv = values["kv"]
     for name, limit in (("max_seqs", MAX_SEQS), ("max_len", MAX_LEN)):
         if not 0 < kv[name] <= limit:
@@ -134,7 +144,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
             fail(f"regions.boundaries[{i}]", "a boundary is {op: OP_PREFIX, module: MODULE_GLOB (optional)}, both strings, "
                  "e.g. {op: aten.topk, module: 'layers.*.mlp.gate'}.")
     backend_name = backend or values["backend"]["name"]
-    _check_backend(backend_name, lambda message: fail("backend.name", message))
+    _check_backend(backend_name, backend_installed, lambda message: fail("backend.name", message))
     problem = options_problem(backend_name, values["backend"]["options"])
     if problem:
         fail("backend.options", problem)
@@ -191,11 +201,10 @@ def _contexts(sizes: list[int], max_len: int, key: str, fail) -> list[int]:
     return sizes if sizes[-1] == max_len else sizes + [max_len]
 
 
-def _check_backend(name: str, fail):
-
+def _check_backend(name: str, installed: bool, fail):
     if name not in BACKENDS:
         fail(f"unknown backend {name!r}; choose one of {list(BACKENDS)}.")
-    problem = backend_module(name).unavailable()
+    problem = installed and backend_module(name).unavailable()
     if problem:
         fail(f"backend {name!r} is not available here: {problem}")
 

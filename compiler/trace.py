@@ -120,7 +120,8 @@ def _record_driver(model, program: TracedProgram, inputs, state, state_names, un
     handles = [m.register_forward_hook(lambda m, a, o: recorded.append((m, a, o if isinstance(o, tuple) else (o,))))
                for m in paths]
     try:
-        result = getattr(model, program.method)(*inputs, state)
+        with run_each_layer_kind_once(model.layers):
+            result = getattr(model, program.method)(*inputs, state)
     finally:
         for handle in handles:
             handle.remove()
@@ -142,6 +143,33 @@ def _record_driver(model, program: TracedProgram, inputs, state, state_names, un
         program.calls.append(UnitCall(key, path, [names[id(a)] for a in args], out_names, weights))
     program.output = names[id(result)]
     return program
+
+
+@contextmanager
+def run_each_layer_kind_once(layers: nn.ModuleList):
+    """While the driver runs on fake tensors, a layer whose kind already ran on arguments of the
+    same shapes returns new fake tensors shaped like that run's outputs instead of running again:
+    its unit is traced once anyway, and running all 61 layers of a full-size model through fake
+    tensors took most of a plan's time."""
+    first_outputs = {}
+
+    def memoized(layer, forward):
+        def run(*args):
+            key = (layer.kind, tuple((tuple(a.shape), a.dtype, a.stride()) for a in args))
+            if key not in first_outputs:
+                first_outputs[key] = forward(*args)
+                return first_outputs[key]
+            outputs = first_outputs[key]
+            return tuple(map(torch.empty_like, outputs)) if isinstance(outputs, tuple) else torch.empty_like(outputs)
+        return run
+
+    for layer in layers:
+        layer.forward = memoized(layer, layer.forward)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # the class's forward again
 
 
 def _whole_method(model, program: TracedProgram, inputs, state, state_names, units, canonical) -> TracedProgram:

@@ -64,6 +64,7 @@ def test_bad_recipes_name_key_and_line(tmp_path, old, new, message):
         ({"methods": {"decode": {"buckets": [1], "context": [64, 64]}}}, r"methods.decode.context: \[64, 64\] lists a bucket twice"),
         ({"methods": {"prefill": {"buckets": [16], "context": []}}}, r"methods.prefill.context: is empty"),
         ({"methods": {"prefill": {"buckets": [16], "context": 64}}}, r"methods.prefill.context: must be list, not int"),
+        ({"parallel": {"device_memory_gib": 0}}, r"parallel.device_memory_gib: 0.0 must be in \(0, 1048576\]: the memory of one"),
     ],
 )
 def test_invalid_values(tmp_path, changes, message):

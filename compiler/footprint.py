@@ -1,0 +1,135 @@
+"""What a recipe asks of each rank, known before anything compiles (`deepinfer-compile plan`).
+
+From the traced plan (fake weights: shapes and dtypes only, no backend, nothing written): the
+programs with their region calls and unique regions, and per rank the bytes of its weights, of
+its state pool (the KV cache and what else a model keeps per sequence slot; the pool has
+kv.max_seqs slots and one scratch slot) and of the largest tensor any region computes. With
+`parallel.device_memory_gib` in the recipe, a rank fits when the three together do; they are a
+floor (a backend adds its own workspace), so a layout that fails here fails on the device.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .build import Plan, plan, recipe_layout, state_bytes, weight_specs
+from .recipe import Recipe, RecipeError
+
+GIB = 1 << 30
+
+
+@dataclass
+class RankFootprint:
+    weight_bytes: int
+    state_bytes: int  # the whole pool: kv.max_seqs slots + the scratch slot
+    state_bytes_per_slot: int
+    activation_bytes: int  # the largest tensor a region computes
+    activation: str  # its shape, dtype and where: "[512, 7168] bfloat16, prefill/512 (layers.*)"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.state_bytes + self.activation_bytes
+
+
+def rank_footprint(recipe: Recipe, the_plan: Plan) -> RankFootprint:
+    """One rank's needs; every rank's are the same (shards are even, the graph is shared)."""
+    specs = weight_specs(recipe, the_plan.weight_names, recipe_layout(recipe))
+    weights = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in specs)
+    pool = state_bytes(the_plan.state)
+    size, where = largest_activation(the_plan)
+    return RankFootprint(weights, pool, pool // (recipe.kv["max_seqs"] + 1), size, where)
+
+
+def largest_activation(the_plan: Plan) -> tuple[int, str]:
+    """(bytes, description) of the largest tensor a region's op allocates; views and in-place
+    updates (of the state pool, say) allocate nothing and are skipped."""
+    used_in = {}
+    for key, program in the_plan.programs.items():
+        for step in program.steps:
+            used_in.setdefault(step.region, key)
+    best = (0, "none")
+    for fp, graph_module in the_plan.regions.items():
+        for node in graph_module.graph.nodes:
+            value = node.meta.get("val")
+            if node.op != "call_function" or not isinstance(value, torch.Tensor) or not _allocates(node):
+                continue
+            size = value.numel() * value.element_size()
+            if size > best[0]:
+                dtype = str(value.dtype).removeprefix("torch.")
+                best = (size, f"{list(value.shape)} {dtype}, {used_in.get(fp, '?')} ({the_plan.region_paths[fp]})")
+    return best
+
+
+def _allocates(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not any(r.alias_info is not None for r in schema.returns)
+
+
+def report(recipe: Recipe) -> dict:
+    """The plan as one JSON-able object (what `deepinfer-compile plan --json` prints)."""
+    the_plan = plan(recipe, check_weights=False)
+    rank = rank_footprint(recipe, the_plan)
+    programs = []
+    for key, program in the_plan.programs.items():
+        calls = [step for step in program.steps if not step.collective]
+        programs.append({"program": key, "region_calls": len(calls), "collectives": len(program.steps) - len(calls),
+                         "unique_regions": len({step.region for step in calls})})
+    budget = recipe.parallel["device_memory_gib"]
+    p = recipe.parallel
+    return {
+        "recipe": recipe.name, "arch": recipe.model["arch"], "dtype": recipe.dtype, "backend": recipe.backend,
+        "parallel": {"world_size": p["world_size"], "tp": p["tp"], "ep": p["ep"]},
+        "kv": dict(recipe.kv), "programs": programs, "unique_regions": len(the_plan.regions),
+        "region_calls": sum(row["region_calls"] for row in programs),
+        "ranks": [{"rank": r, **asdict(rank), "total_bytes": rank.total_bytes} for r in range(p["world_size"])],
+        "device_memory_gib": budget,
+        "fits": None if budget is None else rank.total_bytes <= budget * GIB,
+        "problem": None if budget is None else fit_problem(recipe, rank, budget),  # why it does not fit
+    }
+
+
+def check_fits(recipe: Recipe, the_plan: Plan):
+    """Refuse, before any compile, a layout whose ranks cannot hold what the plan needs."""
+    budget = recipe.parallel["device_memory_gib"]
+    if budget is not None:
+        problem = fit_problem(recipe, rank_footprint(recipe, the_plan), budget)
+        if problem:
+            raise RecipeError(problem)
+
+
+def fit_problem(recipe: Recipe, rank: RankFootprint, budget: float) -> str | None:
+    if rank.total_bytes <= budget * GIB:
+        return None
+    p, kv = recipe.parallel, recipe.kv
+    return (f"{recipe.name}: each of the {p['world_size']} ranks (tp={p['tp']}, ep={p['ep']}) needs {_gib(rank.total_bytes)} "
+            f"(weights {_gib(rank.weight_bytes)} + state pool {_gib(rank.state_bytes)} for kv.max_seqs={kv['max_seqs']} x "
+            f"kv.max_len={kv['max_len']} + largest activation {_gib(rank.activation_bytes)}), more than "
+            f"parallel.device_memory_gib={budget:g}. Use more ranks (a larger ep or tp shrinks the weights), fewer or "
+            "shorter sequence slots (kv.max_seqs, kv.max_len), or smaller prefill buckets.")
+
+
+def format_report(plan_report: dict) -> str:
+    r = plan_report
+    p = r["parallel"]
+    lines = [f"plan for {r['recipe']}: {r['arch']}, {r['dtype']}, backend {r['backend']}, world_size {p['world_size']} "
+             f"(tp {p['tp']}, ep {p['ep']}), kv.max_seqs {r['kv']['max_seqs']} x kv.max_len {r['kv']['max_len']}; "
+             "nothing compiled",
+             f"{len(r['programs'])} programs, {r['region_calls']} region calls, {r['unique_regions']} unique regions",
+             f"  {'program':<16} {'region calls':>12} {'collectives':>11} {'unique regions':>14}"]
+    lines += [f"  {row['program']:<16} {row['region_calls']:>12} {row['collectives']:>11} {row['unique_regions']:>14}"
+              for row in r["programs"]]
+    rank = r["ranks"][0]
+    lines += [f"per rank (all {p['world_size']} alike):",
+              f"  weights             {_gib(rank['weight_bytes']):>12}",
+              f"  state per slot      {_gib(rank['state_bytes_per_slot']):>12}",
+              f"  state pool          {_gib(rank['state_bytes']):>12}  ({r['kv']['max_seqs']} slots + 1 scratch)",
+              f"  largest activation  {_gib(rank['activation_bytes']):>12}  {rank['activation']}",
+              f"  total               {_gib(rank['total_bytes']):>12}"]
+    if r["device_memory_gib"] is not None:
+        verdict = "fits" if r["fits"] else "DOES NOT FIT"
+        lines.append(f"  of parallel.device_memory_gib {r['device_memory_gib']:g} GiB: {verdict}")
+    return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"

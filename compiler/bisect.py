@@ -31,7 +31,7 @@ from torch import fx
 from .backends import backend_module
 from .build import Plan, compile_regions, plan
 from .cache import CompileCache
-from .pool import Job, JobResult, Workers, run_job
+from .pool import LOCAL, Executor, Job, JobResult
 from .recipe import Recipe, RecipeError
 from .split import export_region, module_path
 
@@ -79,7 +79,8 @@ def subgraph(graph_module: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModu
 
 
 class Bisector:
-    def __init__(self, recipe: Recipe, the_plan: Plan, fingerprint: str, out: Path, timeout: float, jobs: int = 1):
+    def __init__(self, recipe: Recipe, the_plan: Plan, fingerprint: str, out: Path, timeout: float, jobs: int = 1,
+                 executor: Executor = LOCAL):
         self.recipe, self.plan, self.fp, self.timeout, self.jobs = recipe, the_plan, fingerprint, timeout, max(1, jobs)
         self.lock = threading.Lock()
         self.graph = the_plan.regions[fingerprint]
@@ -91,7 +92,7 @@ class Bisector:
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.trials = 0
         self.chasing: str | None = None  # the signature being bisected, once reproduced
-        self.workers = Workers()
+        self.workers = executor.workers(the_plan.toolchain)
         self._extension = backend_module(recipe.backend).EXTENSION  # backends check their file's suffix
 
     def trial(self, start: int, end: int, attempt: int = 0) -> str:
@@ -114,11 +115,11 @@ class Bisector:
             torch.export.save(export_region(subgraph(self.graph, self.sequence[start:end])), work / "region.ep.pt2")
         job = Job(f"{self.fp}[{key}]", work / "region.ep.pt2", work / f"artifact.{self._extension}", self.recipe.backend,
                   self.plan.backend_options, work / "compile.log")
-        result = run_job(job, self.timeout, self.workers)
+        result = self.workers.run(job, self.timeout)
         if result.returncode is None and self.chasing not in (None, "timeout"):
             # Chasing a crash or an error, a trial that ran out of time was slow (a busy machine),
             # not different: give it a longer bound rather than count it as another failure.
-            result = run_job(job, self.timeout * RETRY_FACTOR, self.workers)
+            result = self.workers.run(job, self.timeout * RETRY_FACTOR)
         return result
 
     def run(self) -> Finding:
@@ -208,7 +209,8 @@ class Bisector:
         return repro
 
 
-def verify_boundary(recipe: Recipe, boundary: dict, cache: CompileCache, timeout: float, jobs: int) -> bool:
+def verify_boundary(recipe: Recipe, boundary: dict, cache: CompileCache, timeout: float, jobs: int,
+                    executor: Executor = LOCAL) -> bool:
     """Re-plan the recipe with the boundary added and compile whatever that changes."""
     from dataclasses import replace
 
@@ -216,7 +218,7 @@ def verify_boundary(recipe: Recipe, boundary: dict, cache: CompileCache, timeout
 
     patched = replace(recipe, boundaries=recipe.boundaries + [boundary])
     try:
-        compile_regions(patched, plan(patched), cache, jobs, timeout, progress=False)
+        compile_regions(patched, plan(patched), cache, jobs, timeout, progress=False, executor=executor)
         return True
     except CompileFailed:
         return False
@@ -263,7 +265,7 @@ def write_reports(out: Path, findings: list[Finding]):
 
 
 def bisect(recipe: Recipe, recipe_path: Path, out: Path, region: str | None, timeout: float, jobs: int,
-           cache: CompileCache, apply: bool) -> list[Finding]:
+           cache: CompileCache, apply: bool, executor: Executor = LOCAL) -> list[Finding]:
     from .build import CompileFailed
 
     the_plan = plan(recipe)
@@ -273,17 +275,17 @@ def bisect(recipe: Recipe, recipe_path: Path, out: Path, region: str | None, tim
         failing = [region]
     else:
         try:
-            compile_regions(recipe, the_plan, cache, jobs, timeout, progress=True)
+            compile_regions(recipe, the_plan, cache, jobs, timeout, progress=True, executor=executor)
             failing = []
         except CompileFailed as err:
             failing = [f.job.name for f in err.failures]
     findings = []
     for fp in failing:
-        finding = Bisector(recipe, the_plan, fp, out, timeout, jobs).run()
+        finding = Bisector(recipe, the_plan, fp, out, timeout, jobs, executor).run()
         if finding.boundary:
             # Verification compiles the whole recipe with the boundary: when it passes, the other
             # failing regions (often the same layer kind at other buckets) are fixed by it too.
-            finding.boundary_verified = verify_boundary(recipe, finding.boundary, cache, timeout, jobs)
+            finding.boundary_verified = verify_boundary(recipe, finding.boundary, cache, timeout, jobs, executor)
         findings.append(finding)
         if finding.boundary_verified:
             break

@@ -26,7 +26,7 @@ from .bundle import check_output, write_bundle
 from .cache import CompileCache
 from .fingerprint import fingerprint
 from .pack import pack_collectives
-from .pool import Job, JobResult, run_jobs
+from .pool import LOCAL, Executor, Job, JobResult, run_jobs
 from .recipe import Recipe, RecipeError
 from .split import boundary_matches, export_region, input_values, output_values, split_unit
 from .tokenizer_files import tokenizer_files
@@ -215,7 +215,7 @@ def _spec(value: torch.Tensor) -> TensorSpec:
 
 
 def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: int, timeout: float,
-                    progress: bool) -> tuple[dict[str, Path], int]:
+                    progress: bool, executor: Executor = LOCAL) -> tuple[dict[str, Path], int]:
     """Artifact per unique region, from the cache or from a worker; raises CompileFailed. Each
     region is cached the moment its worker finishes, so an interrupted compile keeps it. A backend
     that only serializes (IN_PROCESS) has nothing to isolate and runs here, unless a fault is
@@ -245,7 +245,7 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
             artifacts[name] = cache.put(name, result.job.out_file, {"backend": recipe.backend, "seconds": round(result.seconds, 2)})
             cache.prune_work(name)
 
-    results = run_jobs(todo, jobs, timeout, progress, on_done=store)
+    results = run_jobs(todo, jobs, timeout, progress, on_done=store, executor=executor, toolchain=the_plan.toolchain)
     failures = [r for r in results if not r.ok]
     if failures:
         raise CompileFailed(failures, timeout)
@@ -304,7 +304,7 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
 
 
 def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,
-                   progress: bool = True, sign_key: bytes | None = None) -> Summary:
+                   progress: bool = True, sign_key: bytes | None = None, executor: Executor = LOCAL) -> Summary:
     from deepinfer.runtime import knobs
 
     from .footprint import check_fits  # (footprint builds on this module's plan)
@@ -315,7 +315,7 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     the_plan = plan(recipe)
     check_fits(recipe, the_plan)
     _check_random_weights_fit(recipe)
-    artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress)
+    artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
 
     layout = recipe_layout(recipe)
     cfg = the_plan.model_config

@@ -2,7 +2,7 @@
 
     deepinfer-compile recipes/tiny.yaml                      # -> artifacts/tiny
     deepinfer-compile recipes/tiny.yaml --backend export --out /tmp/tiny --jobs 4 --timeout 600
-    deepinfer-compile plan recipes/deepseek-v3-671b.yaml     # what it needs per rank; compiles nothing
+    deepinfer-compile plan recipes/full-size/deepseek-v3-671b.yaml     # what it needs per rank; compiles nothing
 
 Prints a progress bar over the regions and a summary line; exits 2 on a bad recipe, 1 when a
 region fails to compile (with a per-region report, and no bundle written).
@@ -49,11 +49,15 @@ def main():
               help="seconds one region may compile before it is killed")
 @click.option("--sign-key", type=click.Path(dir_okay=False),
               help="deploy key file: sign the bundle (HMAC-SHA256 of its manifest) for deepinfer-run --verify-key")
-def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key):
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="where region compiles run: this machine, or Ray tasks (pip install 'deepinfer[ray]')")
+@click.option("--ray-address", help="a running Ray cluster (HOST:PORT or auto); default: start one on this machine")
+def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key, executor, ray_address):
     """Compile RECIPE (YAML) into a bundle: trace, split, compile each unique region once, write
     the bundle. Exits 2 on a bad recipe, 1 when a region fails (with a report per region), 130 on
     Ctrl-C (regions that finished stay cached; rerun to continue)."""
     from .build import compile_recipe
+    from .pool import Executor
     from .recipe import load_recipe
 
     from deepinfer.runtime.manifest import read_key
@@ -61,7 +65,7 @@ def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key):
     try:
         key = read_key(sign_key) if sign_key else None
         summary = compile_recipe(load_recipe(recipe, backend=backend, output=out), jobs=jobs, cache_dir=cache_dir,
-                                 timeout=timeout, sign_key=key)
+                                 timeout=timeout, sign_key=key, executor=Executor(executor, ray_address))
     except DeepinferError as err:
         click.echo(f"deepinfer-compile: {err}", err=True)
         sys.exit(err.exit_code)
@@ -105,7 +109,10 @@ def plan_command(recipe, as_json):
               help="trials (and regions, when looking for failures) compiled in parallel")
 @click.option("--cache-dir", type=click.Path(file_okay=False))
 @click.option("--apply", is_flag=True, help="write the verified boundaries into RECIPE (only its regions: block changes)")
-def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply):
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="where trial compiles run: this machine, or Ray tasks")
+@click.option("--ray-address", help="a running Ray cluster (HOST:PORT or auto); default: start one on this machine")
+def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply, executor, ray_address):
     """Find the graph boundary that makes a backend compiler crash; resumable (state on disk)."""
     from pathlib import Path
 
@@ -113,12 +120,14 @@ def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply):
 
     from .bisect import bisect
     from .cache import CompileCache
+    from .pool import Executor
     from .recipe import load_recipe
 
     try:
         loaded = load_recipe(recipe)
         out = Path(out or f"bisect/{loaded.name}")
-        findings = bisect(loaded, Path(recipe), out, region, timeout, jobs, CompileCache(cache_dir or knobs.cache_dir()), apply)
+        findings = bisect(loaded, Path(recipe), out, region, timeout, jobs, CompileCache(cache_dir or knobs.cache_dir()), apply,
+                          Executor(executor, ray_address))
     except DeepinferError as err:
         click.echo(f"deepinfer-compile bisect: {err}", err=True)
         sys.exit(err.exit_code)

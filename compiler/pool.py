@@ -107,36 +107,65 @@ class Workers:
                 self.zygote = None
 
 
-def run_job(job: Job, timeout: float, workers: Workers) -> JobResult:
-    """One worker to its end. A job that never started (the run was stopped) ends as a SIGINT."""
-    start = time.perf_counter()
-    process = workers.start(job)
-    if process is None:
-        return JobResult(job, -signal.SIGINT, 0.0, "not started: the compile was interrupted")
-    try:
-        returncode = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(process)
-        process.wait()
-        returncode = None
-    finally:
-        workers.done(process)
-    tail = job.log_file.read_bytes()[-4000:].decode(errors="replace")
-    return JobResult(job, returncode, time.perf_counter() - start, tail, ok=returncode == 0 and job.out_file.is_file())
+    def run(self, job: Job, timeout: float) -> JobResult:
+        """One worker to its end. A job that never started (the run was stopped) ends as a SIGINT."""
+        start = time.perf_counter()
+        process = self.start(job)
+        if process is None:
+            return not_started(job)
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            process.wait()
+            returncode = None
+        finally:
+            self.done(process)
+        tail = job.log_file.read_bytes()[-LOG_TAIL:].decode(errors="replace")
+        return JobResult(job, returncode, time.perf_counter() - start, tail, ok=returncode == 0 and job.out_file.is_file())
+
+
+LOG_TAIL = 4000  # bytes of a worker's log a report keeps
+
+
+def not_started(job: Job) -> JobResult:
+    return JobResult(job, -signal.SIGINT, 0.0, "not started: the compile was interrupted")
+
+
+@dataclass(frozen=True)
+class Executor:
+    """Where compile workers run: `local` (this machine, forked by a zygote) or `ray` (a Ray
+    cluster at `ray_address`; None starts one on this machine)."""
+
+    kind: str = "local"
+    ray_address: str | None = None
+
+    def workers(self, toolchain: dict):
+        """A Workers-like runner: run(job, timeout), kill_all(), close(). `toolchain` is the plan's
+        (a remote node must match it: it is part of every fingerprint)."""
+        if self.kind == "ray":
+            from .ray_farm import RayWorkers
+
+            return RayWorkers(self.ray_address, toolchain)
+        return Workers()
+
+
+LOCAL = Executor()
 
 
 def run_jobs(jobs: list[Job], parallel: int, timeout: float, progress: bool = True, label: str = "compiling",
-             on_done=None) -> list[JobResult]:
-    """Every job, `parallel` at a time; `on_done(result)` runs in this thread as each one ends (the
-    build caches a finished region at once, so an interrupted compile keeps it). Ctrl-C kills
-    every worker at once and raises KeyboardInterrupt, with nothing left running.
+             on_done=None, executor: Executor = LOCAL, toolchain: dict | None = None) -> list[JobResult]:
+    """Every job, `parallel` at a time, on the executor's workers; `on_done(result)` runs in this
+    thread as each one ends (the build caches a finished region at once, so an interrupted
+    compile keeps it). Ctrl-C kills every worker at once and raises KeyboardInterrupt, with
+    nothing left running.
 
     The interrupt is taken by a handler that only sets a flag and kills the workers, and the
     waiting loop checks the flag: a KeyboardInterrupt raised inside concurrent.futures can leave
     its locks held, and the pool's threads would then never finish."""
     if not jobs:
         return []
-    workers = Workers()
+    workers = executor.workers(toolchain or {})
     interrupted = threading.Event()
 
     def on_interrupt(signum, frame):
@@ -148,7 +177,7 @@ def run_jobs(jobs: list[Job], parallel: int, timeout: float, progress: bool = Tr
     pool = ThreadPoolExecutor(max_workers=max(1, parallel))
     try:
         with tqdm(total=len(jobs), desc=label, unit="region", disable=not progress, file=sys.stderr) as bar:
-            futures = [pool.submit(run_job, job, timeout, workers) for job in jobs]
+            futures = [pool.submit(workers.run, job, timeout) for job in jobs]
             pending = set(futures)
             while pending and not interrupted.is_set():
                 done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)

@@ -64,10 +64,10 @@ def test_plan_for_a_backend_not_installed_here(tmp_path):
 
 
 def test_plan_of_full_size_deepseek_v3_over_64_ranks():
-    """recipes/deepseek-v3-671b.yaml from its config.json alone (no weights here). By hand, a rank
+    """recipes/full-size/deepseek-v3-671b.yaml from its config.json alone (no weights here). By hand, a rank
     holds 4 of the 256 fp8 experts of 58 MoE layers (9.5 GiB + 0.3 GiB of scales), the bf16
     embedding (1.7 GiB), an eighth of attention's heads and of the dense MLPs (~2.7 GiB): ~14.4 GiB."""
-    run = plan_command("recipes/deepseek-v3-671b.yaml", "--json")
+    run = plan_command("recipes/full-size/deepseek-v3-671b.yaml", "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert len(report["ranks"]) == 64 and report["fits"] is True

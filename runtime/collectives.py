@@ -15,11 +15,26 @@ from . import knobs
 from .errors import DeepinferError
 
 _groups: dict[str, "dist.ProcessGroup"] = {}
+_host_of: dict[int, int] = {}  # rank -> host index, when the ranks span several hosts
 
 
 def set_groups(groups: dict):
     _groups.clear()
     _groups.update(groups)
+
+
+def set_hosts(host_of: dict[int, int]):
+    _host_of.clear()
+    if len(set(host_of.values())) > 1:
+        _host_of.update(host_of)
+
+
+def where(ranks: list[int]) -> str:
+    """'ranks [0, 1]', with the hosts they are on when the job spans several."""
+    if not _host_of:
+        return f"ranks {ranks}"
+    hosts = sorted({_host_of[r] for r in ranks})
+    return f"ranks {ranks}: " + "; ".join(f"host {h} has {[r for r in ranks if _host_of[r] == h]}" for h in hosts)
 
 
 def _group(name: str):
@@ -70,7 +85,7 @@ def run_collective(spec: dict, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ranks = dist.get_process_group_ranks(_group(spec["group"]))
         cause = str(err).strip().splitlines()[0]
         raise CollectiveFailed(
-            f"rank {dist.get_rank()}: {spec['op']} over group {spec['group']!r} (ranks {ranks}) failed: {cause}. "
+            f"rank {dist.get_rank()}: {spec['op']} over group {spec['group']!r} ({where(ranks)}) failed: {cause}. "
             "Another rank of that group stopped responding (stuck, stopped, or gone; its own output says why), "
             f"so the job stops. If a step may take longer than {knobs.collective_timeout_s():.0f} s, "
             "raise DEEPINFER_COLLECTIVE_TIMEOUT.") from None

@@ -12,22 +12,21 @@ import time
 from pathlib import Path
 
 import click
+import torch
 import torch.distributed as dist
 
 from . import knobs
 from .errors import DeepinferError
 from .executor import BundleExecutor
-from .launch import RING_SLOTS, join, max_bucket, torchrun_ring_name
+from .launch import IDLE_TIMEOUT_S, RING_SLOTS, create_host_ring, host_position, join, max_bucket, torchrun_ring_name
 from .shm_ring import SHM_DIR, RingTimeout, ShmRing
 from .step import decode, payload_words
 
-IDLE_TIMEOUT_S = 3600  # a leader with no step for this long is stuck
 
-
-def attach_ring(rank: int, world_size: int, width: int) -> ShmRing:
+def attach_ring(rank: int, n_readers: int, width: int) -> ShmRing:
     words = payload_words(width)
     if "DEEPINFER_RING_FD" in os.environ:  # spawned by deepinfer-run: an inherited descriptor
-        return ShmRing.from_fd(int(os.environ["DEEPINFER_RING_FD"]), world_size - 1, words, RING_SLOTS)
+        return ShmRing.from_fd(int(os.environ["DEEPINFER_RING_FD"]), n_readers, words, RING_SLOTS)
     path = SHM_DIR / torchrun_ring_name()
     wait = knobs.startup_timeout_s()
     deadline = time.monotonic() + wait
@@ -36,16 +35,23 @@ def attach_ring(rank: int, world_size: int, width: int) -> ShmRing:
             raise DeepinferError(f"rank {rank}: no step ring at {path} after {wait:.0f} s (DEEPINFER_STARTUP_TIMEOUT); "
                                  "is rank 0 running?")
         time.sleep(0.05)
-    return ShmRing.attach(path, world_size - 1, words, RING_SLOTS)
+    return ShmRing.attach(path, n_readers, words, RING_SLOTS)
 
 
 def follow(bundle: Path, verify_key_file: Path | None):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, local_rank, local_world_size = host_position(rank, world_size)
     leader_pid = int(os.environ.get("DEEPINFER_LEADER_PID", "0"))
     executor = BundleExecutor(bundle, rank, verify_key_file)
     width = max_bucket(executor.manifest)
-    ring = attach_ring(rank, world_size, width)
-    join(executor, rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    # The first rank of a host other than the leader's relays: it writes the host's ring.
+    relay = local_rank == 0
+    ring = create_host_ring(local_world_size - 1, width) if relay else attach_ring(rank, local_world_size - 1, width)
+    try:
+        relays = join(executor, rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    finally:
+        if relay:
+            ring.unlink()  # every rank of the host attached before join's all_gather returned
 
     def leader_alive():
         if leader_pid and os.getppid() != leader_pid:
@@ -53,17 +59,33 @@ def follow(bundle: Path, verify_key_file: Path | None):
 
     step_id = 0
     while True:
-        try:
-            record = ring.read(rank - 1, step_id, check=leader_alive, timeout=IDLE_TIMEOUT_S)
-        except RingTimeout:
-            raise DeepinferError(f"rank {rank}: no step {step_id} from the leader for {IDLE_TIMEOUT_S} s; the leader is "
-                                 "stuck or gone, so this rank stops.") from None
+        if relay:
+            record = receive_step(relays, rank, host, step_id, payload_words(width))
+            ring.write(step_id, record, timeout=IDLE_TIMEOUT_S)
+        else:
+            try:
+                record = ring.read(local_rank - 1, step_id, check=leader_alive, timeout=IDLE_TIMEOUT_S)
+            except RingTimeout:
+                raise DeepinferError(f"rank {rank}: no step {step_id} from the leader for {IDLE_TIMEOUT_S} s; the leader "
+                                     "is stuck or gone, so this rank stops.") from None
         step = decode(record, width)
         step_id += 1
         if step is None:
             dist.destroy_process_group()
             return
         executor.run(step)
+
+
+def receive_step(relays, rank: int, host: int, step_id: int, words: int):
+    """The leader's next step record, as this host's relay (a broadcast from rank 0)."""
+    record = torch.zeros(words, dtype=torch.int64)
+    try:
+        dist.broadcast(record, src=0, group=relays)
+    except (RuntimeError, dist.DistError) as err:
+        raise DeepinferError(f"rank {rank} (the first rank of host {host}): step {step_id} from rank 0 never came "
+                             f"({str(err).strip().splitlines()[0]}): the leader's host died or stopped responding, so "
+                             "this host's ranks stop.") from None
+    return record.numpy()
 
 
 def run_follower(bundle: Path, verify_key_file: Path | None = None):

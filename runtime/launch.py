@@ -6,6 +6,11 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Every rank joins the gloo (CPU) process g
 and verifies its shard, and checks that every other rank loaded the same manifest and toolchain.
 The leader then writes one record per step into the ring and runs the step itself.
 
+Under torchrun on several hosts (`--nnodes N`) each host has its own ring: rank 0 sends every
+step record over torch.distributed to the first rank of each other host (a broadcast over the
+group of those ranks), which writes it into its host's ring and runs the step itself; the other
+ranks read their host's ring as on one host. One host keeps the path above (no extra hop).
+
 Failure is fatal and fast: a watchdog thread polls the followers every 50 ms; when one dies or
 raises, the leader prints its rank and last words, kills the rest and exits 1. Followers die
 with the leader (PR_SET_PDEATHSIG) and also check the leader's pid while waiting. Spawned
@@ -36,6 +41,7 @@ from .step import Step, encode, payload_words
 from .versions import toolchain_versions
 
 RING_SLOTS = 8
+IDLE_TIMEOUT_S = 3600  # a leader with no step for this long is stuck (a server may idle long)
 
 
 class RankFailed(DeepinferError):
@@ -43,9 +49,28 @@ class RankFailed(DeepinferError):
 
 
 def torchrun_ring_name() -> str:
-    """The ring's /dev/shm name under torchrun, where followers find it by name (torchrun's ranks
-    share MASTER_PORT and the run id, and nothing else the leader could hand them)."""
-    return f"deepinfer-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ['MASTER_PORT']}"
+    """This host's ring's /dev/shm name under torchrun, where its ranks find it by name (torchrun's
+    ranks share MASTER_PORT and the run id, and nothing else the writer could hand them; the host
+    index keeps two hosts' rings apart where they share /dev/shm, as on one test machine)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    return f"deepinfer-{run}-{os.environ['MASTER_PORT']}-host{os.environ.get('GROUP_RANK', '0')}"
+
+
+def host_position(rank: int, world_size: int) -> tuple[int, int, int]:
+    """(host index, rank on the host, ranks on the host): torchrun's GROUP_RANK, LOCAL_RANK and
+    LOCAL_WORLD_SIZE; one host for the ranks deepinfer-run spawns itself."""
+    env = os.environ
+    if "LOCAL_RANK" in env and "DEEPINFER_RING_FD" not in env:
+        return int(env.get("GROUP_RANK", 0)), int(env["LOCAL_RANK"]), int(env.get("LOCAL_WORLD_SIZE", world_size))
+    return 0, rank, world_size
+
+
+def create_host_ring(n_readers: int, width: int) -> ShmRing:
+    """This host's ring under torchrun, by name (a file of that name is stale: torchrun holds
+    MASTER_PORT for this run)."""
+    name = torchrun_ring_name()
+    (SHM_DIR / name).unlink(missing_ok=True)
+    return ShmRing.create(n_readers, payload_words(width), RING_SLOTS, name=name)
 
 
 def node_size(manifest) -> int | None:
@@ -58,20 +83,38 @@ def max_bucket(manifest) -> int:
 
 
 def join(executor: BundleExecutor, rank: int, world_size: int, master_addr: str, master_port: int):
-    """Join the process groups with this rank's loaded bundle, and check every rank loaded the same one."""
+    """Join the process groups with this rank's loaded bundle, and check every rank loaded the same
+    one. Returns the group that carries step records to the other hosts (None on one host)."""
+    from .collectives import set_hosts
     from .distributed import init_groups
 
     m = executor.manifest
     init_groups(rank, world_size, m.parallel["tp"], master_addr, master_port, node_size=node_size(m))
+    host, local_rank, _ = host_position(rank, world_size)
     mine = {"rank": rank, "manifest": sha256_file(executor.bundle / "manifest.json"), "toolchain": toolchain_versions(),
-            "world_size": m.parallel["world_size"]}
+            "world_size": m.parallel["world_size"], "host": host, "local_rank": local_rank}
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, mine)  # also the barrier after which the ring may be unlinked
+    dist.all_gather_object(everyone, mine)  # also the barrier after which the rings may be unlinked
     for other in everyone:
         for key in ("manifest", "toolchain", "world_size"):
             if other[key] != mine[key]:
-                raise RankFailed(f"rank {other['rank']} loaded a different {key} than rank {rank} "
+                raise RankFailed(f"rank {other['rank']} (host {other['host']}) loaded a different {key} than rank {rank} "
                                  f"({other[key]} vs {mine[key]}): every rank must run the same bundle and toolchain.")
+    set_hosts({other["rank"]: other["host"] for other in everyone})
+    return relay_group(everyone)
+
+
+def relay_group(everyone: list[dict]):
+    """Rank 0 and the first rank of every other host: the group step records travel in. Every rank
+    creates it (torch.distributed requires it); it has no collective timeout shorter than the
+    ring's idle bound, since it waits for the next step."""
+    from datetime import timedelta
+
+    firsts = sorted(other["rank"] for other in everyone if other["local_rank"] == 0)
+    if len(firsts) == 1:
+        return None
+    group = dist.new_group(firsts, timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+    return group if dist.get_rank() in firsts else None
 
 
 class Leader:
@@ -92,6 +135,7 @@ class Leader:
         self.stopping = False
         self.failing = threading.Lock()  # taken once, by whoever reports a dead follower first
         self.watchdog: threading.Thread | None = None
+        self.relays = None  # the group to the other hosts' first ranks (torchrun --nnodes > 1)
         self.step_id = 0
         if not torchrun:
             # Ranks share this host's cores: W ranks each spinning up all cores' worth of OpenMP
@@ -103,13 +147,10 @@ class Leader:
         self.manifest = self.executor.manifest
         self.world_size = self.manifest.parallel["world_size"]
         self.max_bucket = max_bucket(self.manifest)
-        words = payload_words(self.max_bucket)
         if torchrun:
-            name = torchrun_ring_name()
-            (SHM_DIR / name).unlink(missing_ok=True)  # torchrun holds MASTER_PORT for this run: any such file is stale
-            self.ring = ShmRing.create(self.world_size - 1, words, RING_SLOTS, name=name)
+            self.ring = create_host_ring(host_position(0, self.world_size)[2] - 1, self.max_bucket)
         else:
-            self.ring = ShmRing.create(self.world_size - 1, words, RING_SLOTS)
+            self.ring = ShmRing.create(self.world_size - 1, payload_words(self.max_bucket), RING_SLOTS)
             self.ring.unlink()  # followers inherit the descriptor
         try:
             if torchrun:
@@ -119,7 +160,7 @@ class Leader:
                 self._spawn(addr, port, verify_key_file)
                 self.watchdog = threading.Thread(target=self._watch, daemon=True)
                 self.watchdog.start()
-            join(self.executor, 0, self.world_size, addr, port)
+            self.relays = join(self.executor, 0, self.world_size, addr, port)
         except BaseException:
             self.shutdown(kill=True)
             raise
@@ -179,9 +220,22 @@ class Leader:
         self.on_failure(what)
 
     def run(self, step: Step):
-        self.ring.write(self.step_id, encode(step, self.max_bucket))
+        record = encode(step, self.max_bucket)
+        self._send_to_other_hosts(record)
+        self.ring.write(self.step_id, record)
         self.step_id += 1
         return self.executor.run(step)
+
+    def _send_to_other_hosts(self, record):
+        if self.relays is None:
+            return
+        try:
+            dist.broadcast(torch.from_numpy(record), src=0, group=self.relays)
+        except (RuntimeError, dist.DistError) as err:
+            firsts = dist.get_process_group_ranks(self.relays)[1:]
+            raise RankFailed(f"rank 0: sending step {self.step_id} to the other hosts' first ranks {firsts} failed "
+                             f"({str(err).strip().splitlines()[0]}): a rank on another host died or stopped responding "
+                             "(torchrun's output on that host names it), so the job stops.") from None
 
     def shutdown(self, kill: bool = False):
         """Stop the followers: a stop record and a wait, or (kill) SIGKILL at once. Idempotent."""
@@ -194,7 +248,9 @@ class Leader:
             self.watchdog.join()
         if not kill:  # spawned followers, or torchrun's
             try:
-                self.ring.write(self.step_id, encode(None, self.max_bucket), timeout=10)
+                stop = encode(None, self.max_bucket)
+                self._send_to_other_hosts(stop)
+                self.ring.write(self.step_id, stop, timeout=10)
                 for process in self.followers:
                     process.wait(timeout=10)
             except Exception:

@@ -257,3 +257,54 @@ def test_deepseek_v4_at_world_size_2_gives_the_tokens_of_transformers(tmp_path):
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     eos = hf.config.eos_token_id
     assert tokens == [e[: e.index(eos) + 1] if eos in e else e for e in expected]
+
+
+def two_hosts(bundle: Path, *args: str) -> list[subprocess.Popen]:
+    """torchrun on two "hosts" of 2 ranks each, on loopback: each its own torchrun (node 0 and 1),
+    its own ring (they share this /dev/shm, as two hosts would not)."""
+    from deepinfer.runtime.launch import _free_port
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                              "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "-m", "deepinfer.runtime.cli",
+                              "--bundle", str(bundle), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for node in (0, 1)]
+
+
+def test_two_torchrun_hosts_give_the_tokens_of_one(bundles):
+    shm_before = leftovers()
+    args = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    hosts = two_hosts(bundles["ws4_tp1_ep4"], *args, "--max-tokens", str(MAX_TOKENS), "--json")
+    (out, err), (_, err1) = (h.communicate(timeout=300) for h in hosts)
+    assert hosts[0].returncode == 0 and hosts[1].returncode == 0, err[-2000:] + err1[-2000:]
+    body = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    direct = json.loads(run_bundle(bundles["ws4_tp1_ep4"]).stdout)["results"]  # one host (== world size 1, transformers)
+    assert [r["token_ids"] for r in body["results"]] == [r["token_ids"] for r in direct]
+    assert leftovers() <= shm_before
+
+
+def test_a_killed_rank_on_the_second_host_stops_both(bundles):
+    shm_before = leftovers()
+    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
+    hosts = two_hosts(bundles["ws4_tp1_ep4"], *many, "--max-tokens", "200")
+    try:
+        # Host 1's ring appears once its first rank has loaded, and goes once every rank has joined.
+        for ring_there in (True, False):
+            deadline = time.monotonic() + 180
+            while any(p.endswith("-host1") for p in leftovers() - shm_before) != ring_there:
+                assert time.monotonic() < deadline and all(h.poll() is None for h in hosts)
+                time.sleep(0.02)
+        time.sleep(2)  # generating
+        assert all(h.poll() is None for h in hosts)
+        os.kill(max(children(hosts[1].pid)), signal.SIGKILL)  # a rank of host 1 (2 or 3)
+        killed = time.monotonic()
+        (_, err0), (_, err1) = (h.communicate(timeout=60) for h in hosts)
+        print(f"both hosts ended {time.monotonic() - killed:.2f} s after the kill")
+    finally:
+        for h in hosts:
+            if h.poll() is None:
+                h.kill()
+    assert hosts[0].returncode != 0 and hosts[1].returncode != 0
+    assert "host 1 has [2, 3]" in err0 and "failed" in err0  # the leader names the group's hosts
+    assert re.search(r"rank\s*: [23] \(local_rank: [01]\)\s*\n\s*exitcode\s*: -9", err1)  # host 1's torchrun names the rank
+    assert leftovers() <= shm_before

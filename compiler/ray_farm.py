@@ -7,7 +7,7 @@ process), and returns how it ended, its log tail and the artifact's bytes. The d
 artifact under the job's output name, and the build moves it into the content-addressed cache as
 for a local compile: the cache lives with the driver, the nodes need no shared filesystem. The
 worker compiles in a directory named after the region under the same temporary root as the driver,
-so an artifact has the same bytes wherever it compiled.
+with the driver's thread count, so an artifact has the same bytes wherever it compiled.
 
 A node whose toolchain (torch, Python, deepinfer, CPU ISA, backend versions: all part of every
 region's fingerprint) differs from the driver's refuses the job, naming the difference: its
@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from deepinfer.runtime.errors import DeepinferError
 
 from .pool import LOG_TAIL, Job, JobResult, not_started
@@ -36,7 +38,7 @@ class RayUnavailable(DeepinferError):
 
 
 def compile_task(region: bytes, out_name: str, worker_options: list[str], timeout: float, toolchain: dict,
-                 temp_root: str) -> dict:
+                 temp_root: str, threads: int) -> dict:
     """Runs on a Ray node: one region's worker, like pool.Workers.run runs it locally."""
     from deepinfer.compiler.backends import backend_module
     from deepinfer.runtime.versions import toolchain_versions
@@ -49,7 +51,10 @@ def compile_task(region: bytes, out_name: str, worker_options: list[str], timeou
         return {"returncode": 1, "seconds": 0.0, "artifact": None, "log": (
             f"error: Ray node {node} has another toolchain than the compiler (compiler, node): {differs}. Install the "
             "same torch, deepinfer and backend there (and use nodes of the compiler's CPU ISA), or compile locally.")}
-    env = {**os.environ, "DEEPINFER_COMPILER_PID": str(os.getpid())}  # the worker dies with this task's process
+    env = {**os.environ, "DEEPINFER_COMPILER_PID": str(os.getpid()),  # the worker dies with this task's process
+           # Ray gives a 1-CPU task OMP_NUM_THREADS=1; inductor writes the thread count into the
+           # kernels it generates, so the worker gets the compiler's, as a local worker has.
+           "OMP_NUM_THREADS": str(threads)}
     if os.path.isdir(temp_root):
         env["TMPDIR"] = temp_root  # the artifact's bytes follow its work directory's path
     with tempfile.TemporaryDirectory(prefix="deepinfer-ray-") as work:
@@ -101,7 +106,7 @@ class RayWorkers:
             if self.stopped:
                 return not_started(job)
             ref = self.task.remote(job.region_file.read_bytes(), job.out_file.name, job.worker_args[2:], timeout,
-                                   self.toolchain, tempfile.gettempdir())
+                                   self.toolchain, tempfile.gettempdir(), torch.get_num_threads())
             self.running.add(ref)
         start = time.perf_counter()
         try:

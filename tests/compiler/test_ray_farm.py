@@ -38,7 +38,10 @@ def files(directory: Path) -> dict[str, bytes]:
 
 
 def test_a_ray_compile_writes_the_bundle_a_local_compile_writes(tmp_path):
-    recipe = recipe_with_fault(tmp_path, "farm", ["aten.no_such_op"], "error", split_layers=False)  # matches nothing
+    # AOTInductor (2 whole graphs): its artifacts carry the compile's work directory and thread
+    # count, which a Ray task must reproduce (Ray gives a 1-CPU task OMP_NUM_THREADS=1).
+    recipe = write_recipe(tmp_path, "farm", methods=SMALL, regions={"split_layers": False, "boundaries": []},
+                          backend={"name": "inductor", "options": {}})
     local = compile_recipe(load_recipe(recipe, output=tmp_path / "local"), cache_dir=tmp_path / "cache-local", progress=False)
     run = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", str(recipe), "--out", str(tmp_path / "ray"),
                           "--cache-dir", str(tmp_path / "cache-ray"), "--executor", "ray"],

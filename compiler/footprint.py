@@ -8,6 +8,7 @@ kv.max_seqs slots and one scratch slot) and of the largest tensor any region com
 floor (a backend adds its own workspace), so a layout that fails here fails on the device.
 """
 
+import operator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -61,6 +62,10 @@ def largest_activation(the_plan: Plan) -> tuple[int, str]:
 
 
 def _allocates(node) -> bool:
+    if node.op != "call_function":
+        return False  # a region input: a weight, the state pool, an activation counted where it was made
+    if node.target is operator.getitem:  # one output of a multi-output op: a view if the op returns views
+        return _allocates(node.args[0])
     schema = getattr(node.target, "_schema", None)
     return schema is None or not any(r.alias_info is not None for r in schema.returns)
 

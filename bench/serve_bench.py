@@ -9,13 +9,12 @@ Each request: a prompt of PROMPT_LEN random ids, OUTPUT_LEN tokens (EOS ignored)
 token ids, timed by the client. Targets (the issue's): at concurrency 4, output tokens/s at least
 2.5x concurrency 1 and p50 time per output token at most 1.6x concurrency 1.
 
-Measured here (2 cores, inductor): output tok/s 72.3 / 109.1 / 115.2 / 153.6 at concurrency 1 / 2 /
-4 / 8, p50 TPOT 10.9 / 14.9 / 28.5 / 43.2 ms: c=4 is 1.59x the tokens/s of c=1 at 2.62x its TPOT,
-short of the targets. Where c=4's time goes: a 4-row decode step costs 1.9x a 1-row one (20.1 vs
-10.7 ms: 4 rows x top-2 route to most of the 8 experts, so the MoE regions take the dense path and
-read all of them; reading only the routed ones, 4 rows would need 1.35x the bytes of one), and each newcomer's 48-token prompt
-is a ~135 ms prefill chunk (every expert on every token) that the running streams wait for; at c=4
-three of them land in each request's 48 steps, ~8.6 ms per output token.
+Measured here (2 cores, inductor): output tok/s 95.1 / 147.7 / 191.0 / 239.2 at concurrency 1 / 2 /
+4 / 8, p50 TPOT 9.3 / 11.8 / 18.7 / 29.1 ms: c=4 is 2.01x the tokens/s of c=1 at 2.01x its TPOT,
+short of the targets. Where c=4's time goes: a 4-row decode step costs 1.70x a 1-row one (14.1 vs
+8.3 ms: 4 rows x top-2 of 8 experts read 8 expert matrices, where reading only the ~5.5 distinct
+ones would be 1.35x one row's bytes), and each newcomer's 48-token prefill (~60 ms) stalls the
+running streams, ~4.6 ms per output token at c=4: a floor of ~1.63x TPOT on these cores.
 """
 
 import argparse

@@ -2,6 +2,7 @@
 take nccl; those are not built yet). Every rank creates every group in the same order
 (torch.distributed requires it), then keeps its own."""
 
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -20,7 +21,11 @@ def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_po
     try:
         # Start-up (ranks loading their shards at different speeds) has its own, longer bound than
         # a collective: the store's timeout bounds the rendezvous, the group's every collective.
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timedelta(seconds=startup))
+        # Under torchrun its agent already serves the store on MASTER_PORT: every rank is a client
+        # (rank 0 trying to serve it too fails to bind, and has aborted the process doing so).
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0 and not agent_store,
+                              timeout=timedelta(seconds=startup))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, dist.DistError) as err:
         raise DeepinferError(

@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 from .zygote import ForkedProcess, Zygote
 
+LOG_TAIL = 4000  # bytes of a worker's log a report keeps
+
 
 @dataclass
 class Job:
@@ -38,7 +40,11 @@ class Job:
     @property
     def command(self) -> list[str]:
         """The worker as a command of its own (what a report says to run to reproduce a job)."""
-        return [sys.executable, "-m", "deepinfer.compiler.worker", *self.worker_args]
+        return worker_command(self.worker_args)
+
+
+def worker_command(worker_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "deepinfer.compiler.worker", *worker_args]
 
 
 @dataclass
@@ -123,9 +129,6 @@ class Workers:
             self.done(process)
         tail = job.log_file.read_bytes()[-LOG_TAIL:].decode(errors="replace")
         return JobResult(job, returncode, time.perf_counter() - start, tail, ok=returncode == 0 and job.out_file.is_file())
-
-
-LOG_TAIL = 4000  # bytes of a worker's log a report keeps
 
 
 def not_started(job: Job) -> JobResult:

@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,7 +27,7 @@ import torch
 
 from deepinfer.runtime.errors import DeepinferError
 
-from .pool import LOG_TAIL, Job, JobResult, not_started
+from .pool import LOG_TAIL, Job, JobResult, not_started, worker_command
 
 GRACE_SECONDS = 60  # beyond the worker's own timeout, for the task's start and its reply
 
@@ -62,8 +61,8 @@ def compile_task(region: bytes, out_name: str, worker_options: list[str], timeou
         region_file.write_bytes(region)
         start = time.perf_counter()
         with open(Path(work) / "compile.log", "wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "deepinfer.compiler.worker", str(region_file), str(out),
-                                        *worker_options], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            process = subprocess.Popen(worker_command([str(region_file), str(out), *worker_options]), stdout=log,
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
                 returncode = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

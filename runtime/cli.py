@@ -27,16 +27,17 @@ from .errors import DeepinferError
 from .launch import Leader
 from .manifest import peek_world_size
 from .sampling import SamplingParams
+from .trust import Trust, trust_options
 
 
-def open_bundle(bundle: Path, under_torchrun: bool, verify_key_file: Path | None = None, on_failure=None):
+def open_bundle(bundle: Path, under_torchrun: bool, trust: Trust = Trust(), on_failure=None):
     """A single-rank executor, or for a multi-rank bundle the leader of its follower ranks
     (`on_failure`: see Leader)."""
     from .executor import BundleExecutor
 
     if peek_world_size(bundle) == 1:
-        return BundleExecutor(bundle, verify_key_file=verify_key_file)
-    return Leader(bundle, torchrun=under_torchrun, verify_key_file=verify_key_file, on_failure=on_failure)
+        return BundleExecutor(bundle, trust=trust)
+    return Leader(bundle, torchrun=under_torchrun, trust=trust, on_failure=on_failure)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -56,21 +57,20 @@ def parse_ids(text: str) -> list[int]:
 @click.option("--top-p", default=1.0, show_default=True, help="nucleus mass in (0, 1]")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, (1 << 63) - 1), help="sampling seed")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--verify-key", type=click.Path(dir_okay=False),
-              help="deploy key file: refuse the bundle unless its signature (deepinfer-compile --sign-key) matches")
-def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_json, verify_key):
+@trust_options
+def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_json, verify_key, native_regions):
     """Generate from a compiled bundle."""
     from . import knobs
-    from .tokenizer import load_tokenizer
+    from .tokenizer import bundle_tokenizer
 
     if not prompts and not prompt_ids:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
-    verify_key = Path(verify_key) if verify_key else None
+    trust = Trust.of_options(verify_key, native_regions)
     under_torchrun = "RANK" in os.environ and "DEEPINFER_RING_FD" not in os.environ
     if under_torchrun and int(os.environ["RANK"]) > 0:
         from .follower import run_follower
 
-        return run_follower(Path(bundle), verify_key)
+        return run_follower(Path(bundle), trust)
     if peek_world_size(Path(bundle)) > 1 and not under_torchrun:
         signal.signal(signal.SIGINT, _interrupted)
     executor = None
@@ -79,9 +79,8 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         sampling.check()  # before the bundle loads: a bad flag should not cost a start-up
         trace_path = knobs.region_trace_path()
         load_start = time.perf_counter()
-        executor = open_bundle(Path(bundle), under_torchrun, verify_key)
-        m = executor.manifest
-        tokenizer = load_tokenizer(executor.bundle if m.tokenizer else None, m.vocab_size)
+        executor = open_bundle(Path(bundle), under_torchrun, trust)
+        tokenizer = bundle_tokenizer(executor)
         load_seconds = time.perf_counter() - load_start
         engine = Engine.for_bundle(executor)
         all_ids = [tokenizer.encode(p) for p in prompts] + [parse_ids(p) for p in prompt_ids]

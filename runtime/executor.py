@@ -11,14 +11,17 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from . import knobs
+from .backends import backend_module
 from .collectives import run_collective
-from .backends import load_region
-from .manifest import BundleError, read_key, read_manifest
+from .errors import BundleError
+from .files import BundleFiles
+from .manifest import read_key, read_manifest
 from .step import STEP_FIELDS, Step
+from .trust import Trust
 from .versions import toolchain_versions
+from .weights import tensors_of
 
 
 class _Call:
@@ -36,13 +39,15 @@ class _Plan:
 
 
 class BundleExecutor:
-    def __init__(self, bundle: str | Path, rank: int = 0, verify_key_file: Path | None = None):
-        """`verify_key_file`: a deploy key the bundle's signature must match (deepinfer-run --verify-key)."""
+    def __init__(self, bundle: str | Path, rank: int = 0, trust: Trust = Trust()):
+        """`trust`: what this deployment accepts (a deploy key the signature must match, native code)."""
         self.bundle = Path(bundle)
-        verify_key = read_key(verify_key_file) if verify_key_file else None
+        verify_key = read_key(trust.verify_key_file) if trust.verify_key_file else None
         self.manifest = m = read_manifest(self.bundle, toolchain_versions(), rank, verify_key)
+        self.files = BundleFiles(self.bundle, m.files)  # every file is read through this: hashed as read
         self.rank = rank
-        weights = self._load_weights(self.bundle / m.weight_files[rank])
+        loaders = self._region_loaders(trust)
+        weights = tensors_of(self.files.tensor(m.weight_files[rank]), str(self.bundle / m.weight_files[rank]))
         self.state = self._allocate_state()
         views = {context: self._state_views(context) for context in {p.context for p in m.programs.values()}}
         fixed = {key: {**weights, **views[program.context]} for key, program in m.programs.items()}
@@ -50,16 +55,22 @@ class BundleExecutor:
         # for BEFORE any region is loaded: a compiled region indexes memory without bounds checks.
         for key, program in m.programs.items():
             self._check_shapes(key, program, fixed[key])
-        functions = {fp: load_region(r.backend, self.bundle / r.file) for fp, r in m.regions.items()}
+        functions = {fp: loaders[fp].load(self.files.bytes(r.file), r, str(self.bundle / r.file)) for fp, r in m.regions.items()}
         self.plans = {key: self._resolve(key, program, functions, fixed[key]) for key, program in m.programs.items()}
         self.host_seconds: dict[str, float] | None = {} if knobs.host_timing() else None
         self.trace_events: list | None = [] if knobs.region_trace_path() else None
 
-    def _load_weights(self, path: Path) -> dict[str, torch.Tensor]:
-        try:
-            return load_file(path)
-        except Exception as err:  # safetensors raises its own types for a bad header
-            raise BundleError(f"{path}: not a readable safetensors file ({err}). Recompile the bundle.") from None
+    def _region_loaders(self, trust: Trust) -> dict:
+        """Each region's loader module, before anything loads: the deployment's native-code policy
+        is applied to the whole bundle first."""
+        where = f"{self.bundle}/manifest.json"
+        loaders = {fp: backend_module(r.backend, f"{where}: region {fp}") for fp, r in self.manifest.regions.items()}
+        native = sorted({r.backend for fp, r in self.manifest.regions.items() if loaders[fp].NATIVE_CODE})
+        if native and not trust.native_regions:
+            raise BundleError(f"{where}: the bundle's regions carry machine code ({', '.join(native)} backend), and this "
+                              "deployment runs data-only bundles (--native-regions refuse). Compile it with "
+                              "`--backend export`, or allow native regions for a bundle you trust.")
+        return loaders
 
     def _allocate_state(self) -> dict[str, torch.Tensor]:
         """Every layer's state pool (the KV cache and what else the model keeps per sequence slot)."""

@@ -1,6 +1,6 @@
 """A follower rank: replays the leader's steps from the shared-memory ring until told to stop.
 
-    python -m deepinfer.runtime.follower --bundle DIR [--verify-key FILE]   # started by deepinfer-run, or by torchrun
+    python -m deepinfer.runtime.follower --bundle DIR [--verify-key FILE] [--native-regions refuse]   # started by deepinfer-run, or by torchrun
 
 Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and DEEPINFER_RING_FD / DEEPINFER_LEADER_PID
 (set by the leader that spawned it; under torchrun the ring is found by name).
@@ -21,6 +21,7 @@ from .executor import BundleExecutor
 from .launch import IDLE_TIMEOUT_S, RING_SLOTS, create_host_ring, host_position, join, max_bucket, torchrun_ring_name
 from .shm_ring import SHM_DIR, RingTimeout, ShmRing
 from .step import decode, payload_words
+from .trust import Trust, trust_options
 
 
 def attach_ring(rank: int, n_readers: int, width: int) -> ShmRing:
@@ -38,11 +39,11 @@ def attach_ring(rank: int, n_readers: int, width: int) -> ShmRing:
     return ShmRing.attach(path, n_readers, words, RING_SLOTS)
 
 
-def follow(bundle: Path, verify_key_file: Path | None):
+def follow(bundle: Path, trust: Trust):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, local_rank, local_world_size = host_position(rank, world_size)
     leader_pid = int(os.environ.get("DEEPINFER_LEADER_PID", "0"))
-    executor = BundleExecutor(bundle, rank, verify_key_file)
+    executor = BundleExecutor(bundle, rank, trust)
     width = max_bucket(executor.manifest)
     # The first rank of a host other than the leader's relays: it writes the host's ring.
     relay = local_rank == 0
@@ -88,10 +89,10 @@ def receive_step(relays, rank: int, host: int, step_id: int, words: int):
     return record.numpy()
 
 
-def run_follower(bundle: Path, verify_key_file: Path | None = None):
+def run_follower(bundle: Path, trust: Trust = Trust()):
     """follow(), with a DeepinferError printed as its one-paragraph message and exit 1."""
     try:
-        follow(bundle, verify_key_file)
+        follow(bundle, trust)
     except DeepinferError as err:
         click.echo(f"deepinfer follower: {err}", err=True)
         sys.exit(1)
@@ -99,9 +100,9 @@ def run_follower(bundle: Path, verify_key_file: Path | None = None):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--verify-key", type=click.Path(dir_okay=False), help="deploy key the bundle's signature must match")
-def main(bundle, verify_key):
-    run_follower(Path(bundle), Path(verify_key) if verify_key else None)
+@trust_options
+def main(bundle, verify_key, native_regions):
+    run_follower(Path(bundle), Trust.of_options(verify_key, native_regions))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from .lifetime import die_with_parent
 from .manifest import peek_world_size, sha256_file
 from .shm_ring import SHM_DIR, ShmRing
 from .step import Step, encode, payload_words
+from .trust import Trust
 from .versions import toolchain_versions
 
 RING_SLOTS = 8
@@ -125,7 +126,7 @@ class Leader:
     descriptor of an already unlinked file and write their output to unnamed temporary files:
     nothing of the job is left in /dev/shm or the temp dir, however it ends."""
 
-    def __init__(self, bundle: Path, torchrun: bool = False, verify_key_file: Path | None = None, on_failure=None):
+    def __init__(self, bundle: Path, torchrun: bool = False, trust: Trust = Trust(), on_failure=None):
         """`on_failure(message)`, called on the watchdog thread once the followers are killed, replaces
         the default exit(1) when a follower dies (the server fails its requests first)."""
         self.bundle = Path(bundle)
@@ -143,7 +144,7 @@ class Leader:
             world_size = peek_world_size(self.bundle)
             self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
             torch.set_num_threads(int(self.threads))
-        self.executor = BundleExecutor(self.bundle, 0, verify_key_file)
+        self.executor = BundleExecutor(self.bundle, 0, trust)
         self.manifest = self.executor.manifest
         self.world_size = self.manifest.parallel["world_size"]
         self.max_bucket = max_bucket(self.manifest)
@@ -157,7 +158,7 @@ class Leader:
                 addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             else:
                 addr, port = "127.0.0.1", _free_port()
-                self._spawn(addr, port, verify_key_file)
+                self._spawn(addr, port, trust)
                 self.watchdog = threading.Thread(target=self._watch, daemon=True)
                 self.watchdog.start()
             self.relays = join(self.executor, 0, self.world_size, addr, port)
@@ -172,8 +173,7 @@ class Leader:
             raise AttributeError(name)
         return getattr(self.executor, name)
 
-    def _spawn(self, addr: str, port: int, verify_key_file: Path | None):
-        key_args = ["--verify-key", str(verify_key_file)] if verify_key_file else []
+    def _spawn(self, addr: str, port: int, trust: Trust):
         for rank in range(1, self.world_size):
             env = {**os.environ, "OMP_NUM_THREADS": self.threads, "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
                    "MASTER_ADDR": addr, "MASTER_PORT": str(port), "DEEPINFER_RING_FD": str(self.ring.fd),
@@ -181,7 +181,7 @@ class Leader:
             log = tempfile.TemporaryFile(prefix="deepinfer-rank-")  # no name on disk
             self.logs.append(log)
             self.followers.append(subprocess.Popen(
-                [sys.executable, "-m", "deepinfer.runtime.follower", "--bundle", str(self.bundle), *key_args],
+                [sys.executable, "-m", "deepinfer.runtime.follower", "--bundle", str(self.bundle), *trust.args()],
                 env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(self.ring.fd,), preexec_fn=die_with_parent))
 
     def _watch(self):

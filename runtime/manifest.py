@@ -12,29 +12,30 @@ a field or change its meaning; any other change bumps SCHEMA_VERSION, and a runt
 bundle whose version it does not know.
 
 Integrity: `files` holds the sha256 of every file but the manifest; `checksum` is the sha256 of
-the manifest's own canonical JSON without that field. Any flipped byte is caught at load.
+the manifest's own canonical JSON without that field. Any flipped byte is caught at load: every
+file is hashed as it is read for use (`files.BundleFiles`), so what was checked is what runs.
 """
 
 import dataclasses
 import hashlib
 import hmac
 import json
+import os
 import types
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .errors import DeepinferError
+from .errors import BundleError
+from .files import read_regular
 from .step import program_key
 
 MAGIC = "deepinfer-bundle"
 SCHEMA_VERSION = 1
 SIGNATURE_FILE = "manifest.json.hmac"  # HMAC-SHA256 of manifest.json under a deploy key (optional)
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_KEY_BYTES = 4096
 TENSOR_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool", "float8_e4m3fn", "uint8")
-
-
-class BundleError(DeepinferError):
-    """A bundle that cannot be used as it is; the message names the file and what to do."""
 
 
 @dataclass
@@ -264,6 +265,7 @@ def _checksum(body: dict) -> str:
 
 
 def sha256_file(path: Path) -> str:
+    """(For the compiler's own files: bundle files are hashed as they are read, by BundleFiles.)"""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -274,19 +276,21 @@ def sha256_file(path: Path) -> str:
 def peek_world_size(bundle: Path) -> int:
     """The bundle's world size, read without verification (read_manifest then checks everything)."""
     try:
-        world_size = json.loads((Path(bundle) / "manifest.json").read_text())["parallel"]["world_size"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        world_size = json.loads(read_regular(Path(bundle) / "manifest.json", MAX_MANIFEST_BYTES))["parallel"]["world_size"]
+    except (BundleError, ValueError, KeyError, TypeError, RecursionError):
         return 1  # let the verifying reader say what is wrong
     return world_size if isinstance(world_size, int) and 1 < world_size <= 4096 else 1
 
 
 def read_key(path: str | Path) -> bytes:
     """A deploy key for signing (`--sign-key`) or verifying (`--verify-key`): the file's bytes,
-    surrounding whitespace stripped; at least 16 bytes (e.g. `openssl rand -hex 32 > deploy.key`)."""
+    surrounding whitespace stripped; at least 16 bytes (e.g. `openssl rand -hex 32 > deploy.key`).
+    A symlink to the key is fine (Kubernetes mounts secrets so); a FIFO or a device is not."""
     try:
-        key = Path(path).read_bytes().strip()
-    except OSError as err:
-        raise BundleError(f"{path}: cannot read the key file ({err.strerror}).") from None
+        key = read_regular(Path(path), MAX_KEY_BYTES, follow_symlinks=True).strip()
+    except BundleError as err:
+        raise BundleError(f"{err} A deploy key is a small regular file; make one with "
+                          f"`openssl rand -hex 32 > {path}`.") from None
     if len(key) < 16:
         raise BundleError(f"{path}: a deploy key needs at least 16 bytes; make one with `openssl rand -hex 32 > {path}`.")
     return key
@@ -300,12 +304,11 @@ def sign(bundle: Path, key: bytes):
 
 def _verify_signature(bundle: Path, manifest: bytes, key: bytes):
     path = bundle / SIGNATURE_FILE
-    try:
-        signature = path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
+    if not os.path.lexists(path):
         raise BundleError(f"{path}: the bundle is not signed, and --verify-key asks for a signed bundle. Compile it with "
-                          "`deepinfer-compile RECIPE --sign-key KEYFILE`.") from None
-    if not hmac.compare_digest(signature, hmac.new(key, manifest, hashlib.sha256).hexdigest()):
+                          "`deepinfer-compile RECIPE --sign-key KEYFILE`.")
+    signature = read_regular(path, 256).strip()  # 64 hex digits and a newline
+    if not hmac.compare_digest(signature, hmac.new(key, manifest, hashlib.sha256).hexdigest().encode()):
         raise BundleError(f"{path}: the signature does not match this manifest under the given key: the bundle was "
                           "changed after it was signed, or signed with another key. Do not run it; recompile and sign it.")
 
@@ -316,9 +319,9 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify
     only that rank's)."""
     bundle = Path(bundle)
     path = bundle / "manifest.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise BundleError(f"{path}: no manifest.json. Is {bundle} a bundle written by deepinfer-compile?")
-    raw = path.read_bytes()
+    raw = read_regular(path, MAX_MANIFEST_BYTES)
     if verify_key is not None:
         _verify_signature(bundle, raw, verify_key)
     try:
@@ -336,6 +339,10 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify
         raise BundleError(f"{path}: the manifest was edited after compilation (its checksum does not match). Recompile the bundle.")
     manifest = Manifest.from_dict(body, str(path))
     check_manifest(manifest, str(path))
+    missing = sorted(set(toolchain) - set(manifest.toolchain))
+    if missing:
+        raise BundleError(f"{path}: toolchain does not say which {', '.join(missing)} the bundle was compiled with; "
+                          "a bundle runs only on the toolchain it was compiled with. Recompile it.")
     for key, wanted in manifest.toolchain.items():
         if key in toolchain and toolchain[key] != wanted:
             raise BundleError(
@@ -344,14 +351,12 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify
             )
     skipped = set() if rank is None else set(manifest.weight_files) - {manifest.weight_files[rank]}
     root = bundle.resolve()
-    for rel, digest in manifest.files.items():
+    for rel in manifest.files:  # present and inside; each is hashed as it is read (BundleFiles)
+        file = bundle / rel
         if rel in skipped:
             continue
-        file = bundle / rel
         if not file.resolve().is_relative_to(root):
             raise BundleError(f"{file}: leads outside the bundle (a symlinked directory?); a bundle holds its own files.")
         if file.is_symlink() or not file.is_file():
             raise BundleError(f"{file}: missing from the bundle (or not a plain file). Copy the whole bundle directory, or recompile.")
-        if sha256_file(file) != digest:
-            raise BundleError(f"{file}: checksum mismatch, the file is corrupt or was modified. Recompile the bundle or copy it again.")
     return manifest

@@ -23,13 +23,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    def __init__(self, path: Path):
+    def __init__(self, source: str, where: str):
+        """`source`: the tokenizer.json text (read by the caller, verified where it came from a bundle)."""
         from tokenizers import Tokenizer
 
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = Tokenizer.from_str(source)
         except Exception as err:  # the tokenizers library raises a bare Exception on bad files
-            raise DeepinferError(f"{path}: cannot read tokenizer ({err}).") from None
+            raise DeepinferError(f"{where}: cannot read tokenizer ({str(err)[:200]}).") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`add_special_tokens=False` for text that already has them (a rendered chat template)."""
@@ -40,8 +41,16 @@ class HFTokenizer:
 
 
 def load_tokenizer(directory: Path | None, vocab_size: int):
-    """`directory/tokenizer.json` if there is one, else bytes."""
+    """A checkpoint's `directory/tokenizer.json` if there is one, else bytes."""
     path = Path(directory) / "tokenizer.json" if directory is not None else None
     if path is not None and path.is_file():
-        return HFTokenizer(path)
+        return HFTokenizer(path.read_text(), str(path))
     return ByteTokenizer(vocab_size)
+
+
+def bundle_tokenizer(executor):
+    """The tokenizer file a loaded bundle's manifest names (read through its verifying reader), else bytes."""
+    m = executor.manifest
+    if m.tokenizer is None:
+        return ByteTokenizer(m.vocab_size)
+    return HFTokenizer(executor.files.text(m.tokenizer), str(executor.bundle / m.tokenizer))

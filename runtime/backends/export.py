@@ -1,59 +1,40 @@
-"""Serialized ExportedPrograms (`.ep.json`), run by PyTorch's eager kernels: the reference backend.
+"""Serialized ExportedPrograms (`.ep.json`), run by PyTorch's eager kernels: the reference backend,
+and the one that carries no code: a deployment that refuses native regions runs these.
 
-Loaded without `torch.export.load`, whose archive reader unpickles sample inputs and constants
-(`torch.load(weights_only=False)` as a fallback): here the JSON is parsed, checked to hold only
-operator calls (no guard code, no constants, no custom objects; torch.cond's branches likewise), and deserialized with empty
-weights, so a tampered file cannot run Python."""
+Loaded without `torch.export.load`, whose archive reader unpickles sample inputs and constants:
+the JSON is first held to the allow-list of what deepinfer-compile writes (`export_schema`: why
+nothing that passes can run Python), then deserialized with empty weights, then run once on fake
+tensors of the manifest's input specs, so a graph that does not compute the outputs the manifest
+promises (a region file of another region, a mangled node) is refused at load, not mid-request."""
 
 import json
-from pathlib import Path
 
+import torch
 from torch._export.serde.serialize import SerializedArtifact, deserialize
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..manifest import BundleError
+from ..errors import BundleError
+from ..export_schema import checked_program
 
-ALLOWED_TARGETS = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.deepinfer.", "_operator.getitem")
-COND = "torch.ops.higher_order.cond"  # its branches are graphs in its arguments, checked the same way
+NATIVE_CODE = False
 
 
-def load(path):
-    path = Path(path)
-    data = path.read_bytes()
-    _check(path, data)
-    module = deserialize(SerializedArtifact(data, {}, {}, None)).module()
+def load(data: bytes, region, where: str):
+    program = checked_program(data, where)
+    try:
+        module = deserialize(SerializedArtifact(json.dumps(program).encode(), {}, {}, None)).module()
+        with FakeTensorMode():
+            fakes = [torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in region.inputs]
+            outputs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in module(*fakes)]
+    except Exception as err:  # past the allow-list nothing can run: any failure is a malformed graph
+        raise BundleError(f"{where}: not a graph this runtime can run on the manifest's inputs "
+                          f"({type(err).__name__}: {str(err)[:200]}). Recompile the bundle.") from None
+    wanted = [(s.shape, s.dtype) for s in region.outputs]
+    if outputs != wanted:
+        raise BundleError(f"{where}: computes {outputs} where the manifest says {wanted} (a region file of another "
+                          "region?). Recompile the bundle.")
 
     def call(*args):
         return tuple(module(*args))
 
     return call
-
-
-def _check(path: Path, data: bytes):
-    def refuse(what: str):
-        raise BundleError(f"{path}: {what}; an export region is a plain operator graph. The file was not written by "
-                             "deepinfer-compile (or was tampered with): recompile the bundle.")
-
-    try:
-        program = json.loads(data)
-        graph = program["graph_module"]["graph"]
-        nodes = graph["nodes"]
-    except (ValueError, KeyError, TypeError):
-        refuse("not a serialized ExportedProgram (JSON)")
-    if program.get("guards_code"):
-        refuse("it carries guard code")
-    if graph.get("custom_obj_values") or graph.get("constants"):
-        refuse("it carries constants or custom objects")
-    _check_nodes(nodes, refuse)
-
-
-def _check_nodes(nodes, refuse):
-    if not isinstance(nodes, list):
-        refuse("its graph has no node list")
-    for node in nodes:
-        target = node.get("target") if isinstance(node, dict) else None
-        if target == COND:
-            branches = [arg.get("arg", {}).get("as_graph") for arg in node.get("inputs") or [] if isinstance(arg, dict)]
-            for branch in filter(None, branches):
-                _check_nodes(branch.get("graph", {}).get("nodes") if isinstance(branch, dict) else None, refuse)
-        elif not isinstance(target, str) or not target.startswith(ALLOWED_TARGETS):
-            refuse(f"it calls {target!r}, which is not a PyTorch operator")

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from ..engine import Request
 from ..errors import DeepinferError
-from ..tokenizer import load_tokenizer
+from ..tokenizer import bundle_tokenizer
 from .chat import ChatTemplate
 from .engine_thread import EngineThread, Failed, Handle
 from .metrics import Metrics
@@ -65,9 +65,8 @@ class OpenAIServer:
     def _load(self):
         """On the engine thread: the executor, the tokenizer and the chat template."""
         executor = self.open_executor()
-        m, bundle = executor.manifest, executor.bundle
-        self.tokenizer = load_tokenizer(bundle if m.tokenizer else None, m.vocab_size)
-        self.chat_template = ChatTemplate.of_bundle(bundle / m.chat_template if m.chat_template else None)
+        self.tokenizer = bundle_tokenizer(executor)
+        self.chat_template = ChatTemplate.of_bundle(executor)
         return executor
 
     def _ready(self, engine):

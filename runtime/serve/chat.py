@@ -4,7 +4,6 @@ documented plain default: each message as "<role>: <content>" on its own line, t
 "assistant:" for the reply to continue."""
 
 import json
-from pathlib import Path
 
 from ..errors import DeepinferError
 
@@ -32,12 +31,15 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
-    def of_bundle(cls, path: Path | None) -> "ChatTemplate":
-        """The bundle's template (the file chat_template.json names), or the plain default."""
-        if path is None:
+    def of_bundle(cls, executor) -> "ChatTemplate":
+        """A loaded bundle's template (the file its manifest names, read through its verifying
+        reader), or the plain default."""
+        rel = executor.manifest.chat_template
+        if rel is None:
             return cls(DEFAULT_TEMPLATE)
+        path = executor.bundle / rel
         try:
-            spec = json.loads(Path(path).read_text())
+            spec = json.loads(executor.files.text(rel))
             return cls(spec["template"], spec.get("bos_token") or "", spec.get("eos_token") or "")
         except (ValueError, KeyError, TypeError, DeepinferError) as err:
             raise DeepinferError(f"{path}: not a usable chat template ({err}); recompile the bundle from a checkpoint "

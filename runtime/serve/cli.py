@@ -23,6 +23,7 @@ import click
 
 from ..errors import DeepinferError
 from ..manifest import peek_world_size
+from ..trust import Trust, trust_options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,9 +37,8 @@ from ..manifest import peek_world_size
 @click.option("--served-model-name", help="the model id clients send  [default: the bundle's recipe name]")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="seconds in-flight requests get to finish after SIGTERM")
-@click.option("--verify-key", type=click.Path(dir_okay=False),
-              help="deploy key file: refuse the bundle unless its signature (deepinfer-compile --sign-key) matches")
-def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verify_key):
+@trust_options
+def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verify_key, native_regions):
     """Serve a compiled bundle over OpenAI's HTTP API."""
     try:
         import uvicorn
@@ -51,7 +51,7 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verif
     from ..cli import open_bundle
 
     bundle = Path(bundle)
-    verify_key = Path(verify_key) if verify_key else None
+    trust = Trust.of_options(verify_key, native_regions)
     under_torchrun = "RANK" in os.environ and "DEEPINFER_RING_FD" not in os.environ
     if under_torchrun and int(os.environ["RANK"]) > 0:
         from ..follower import run_follower
@@ -60,7 +60,7 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verif
         # a follower that left on the signal would never see (torchrun still SIGKILLs after its own timeout).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return run_follower(bundle, verify_key)
+        return run_follower(bundle, trust)
     try:
         peek_world_size(bundle)  # a wrong path or a foreign directory fails here, before the port is taken
     except DeepinferError as err:
@@ -72,7 +72,7 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verif
         raise click.ClickException(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port "
                                    "(0 takes any free one).") from None
 
-    api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, verify_key, on_failure=lambda m: api.engine_thread.fail(m)),
+    api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, trust, on_failure=lambda m: api.engine_thread.fail(m)),
                        name, max_queue, api_key)
     server = DrainingServer(uvicorn.Config(api.app, log_level="warning", lifespan="on"), api, grace)
     click.echo(f"deepinfer-serve: listening on http://{host}:{sock.getsockname()[1]} (model {name!r}; loading {bundle})",

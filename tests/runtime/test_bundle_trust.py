@@ -3,6 +3,7 @@ fit the regions' specs, and (with a deploy key) a signature that matches."""
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -74,18 +75,156 @@ def test_a_pickle_in_a_region_never_runs(bundle, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda p: p.update(guards_code=["__import__('os').system('true')"]), "carries guard code"),
-    (lambda p: p["graph_module"]["graph"]["nodes"][0].update(target="builtins.eval"), "'builtins.eval', which is not a PyTorch operator"),
-])
-def test_an_export_region_holds_operator_calls_only(bundle, change, message):
+def first_node_with(program, kind):
+    """The first node argument of this kind (e.g. "as_int") in the region's graph."""
+    return next(item["arg"] for node in program["graph_module"]["graph"]["nodes"] for item in node["inputs"] if kind in item["arg"])
+
+
+def symbolic_size(program, marker):
+    """The probe's attack: a tensor size handed to sympy.sympify by torch's deserializer."""
+    values = program["graph_module"]["graph"]["tensor_values"]
+    meta = values[sorted(values)[0]]
+    meta["sizes"][0] = {"as_expr": {"expr_str": f"__import__('os').system('touch {marker}') + 64", "hint": {"as_int": 64}}}
+
+
+def tampered_region(bundle, change):
     region = sorted((bundle / "regions").iterdir())[0]
     program = json.loads(region.read_bytes())
     change(program)
     region.write_text(json.dumps(program))
     edit_manifest(bundle, lambda body: None)
+
+
+def test_a_symbolic_size_in_a_region_is_never_evaluated(bundle, tmp_path):
+    marker = tmp_path / "PWNED"
+    tampered_region(bundle, lambda program: symbolic_size(program, marker))
+    out = run(bundle)
+    assert out.returncode == 1 and "as_expr" in out.stderr and "static" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not marker.exists()
+
+
+SUBCLASSES = "torch.ops.aten.__class__.__subclasses__"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(guards_code=["__import__('os').system('true')"]), r"guards_code: must be empty"),
+    (lambda p: p.update(range_constraints={"s0": {"min_val": 1, "max_val": 2}}), r"range_constraints: must be empty"),
+    (lambda p: p["graph_module"]["graph"]["nodes"][0].update(target="builtins.eval"), "'builtins.eval'.*not a PyTorch operator"),
+    (lambda p: p["graph_module"]["graph"]["nodes"][0].update(target=SUBCLASSES), "__subclasses__', which is not an operator"),
+    (lambda p: p["graph_module"]["graph"]["nodes"][0].update(target="torch.ops.aten.no_such_op.default"),
+     "no_such_op.default', which is not an operator this PyTorch has"),
+    (lambda p: first_node_with(p, "as_int").update(as_int=None) or first_node_with(p, "as_int").update(
+        as_sym_int={"as_name": "s0"}) or first_node_with(p, "as_int").pop("as_int"), "holds 'as_sym_int'"),
+    (lambda p: p["graph_module"]["graph"]["sym_int_values"].update(s0={"as_expr": {"expr_str": "1"}}), "sym_int_values: must be empty"),
+    (lambda p: p["graph_module"]["graph"]["nodes"][0].update(metadata={"stack_trace": 5}), r"metadata.stack_trace: must be a string"),
+    (lambda p: p["graph_module"]["graph"].update(extra=1), r"field\(s\) \['extra'\] that deepinfer-compile never writes"),
+    (lambda p: next(n for n in p["graph_module"]["graph"]["nodes"] if n["outputs"] and "as_tensor" in n["outputs"][0]).update(
+        outputs=[]), "not a graph this runtime can run"),
+    (lambda p: p["graph_module"]["module_call_graph"][0]["signature"].update(in_spec='[1, {"type": "os.system"}]'),
+     "in_spec.type: must be one of"),
+])
+def test_an_export_region_holds_a_static_operator_graph_only(bundle, change, message):
+    tampered_region(bundle, change)
     with pytest.raises(BundleError, match=message):
         BundleExecutor(bundle)
+
+
+def test_a_region_file_of_another_region_is_refused(bundle):
+    regions = sorted((bundle / "regions").iterdir(), key=lambda p: p.stat().st_size)
+    regions[0].write_bytes(regions[-1].read_bytes())
+    edit_manifest(bundle, lambda body: None)
+    with pytest.raises(BundleError, match="not a graph this runtime can run on the manifest's inputs|computes .* where the manifest says"):
+        BundleExecutor(bundle)
+
+
+def test_a_deeply_nested_region_is_refused(bundle):
+    region = sorted((bundle / "regions").iterdir())[0]
+    region.write_text("[" * 100000)
+    edit_manifest(bundle, lambda body: None)
+    with pytest.raises(BundleError, match="not a serialized ExportedProgram"):
+        BundleExecutor(bundle)
+
+
+@pytest.mark.parametrize("backend", ["neuron|__init__", "__init__", "../export", "no_such_backend"])
+def test_an_unknown_backend_is_refused(bundle, backend):
+    edit_manifest(bundle, lambda body: [r.update(backend=backend) for r in body["regions"].values()])
+    with pytest.raises(BundleError, match=r"backend .* is not one this runtime loads \(export, inductor, neuron\)"):
+        BundleExecutor(bundle)
+
+
+def test_what_is_verified_is_what_is_loaded(bundle, tmp_path, monkeypatch):
+    """A region file swapped for the payload after the manifest was read and signed (a shared
+    model cache, NFS): the bytes loaded are the bytes hashed, so the swap is caught."""
+    import deepinfer.runtime.executor as executor_module
+
+    key = tmp_path / "deploy.key"
+    key.write_text("k" * 64)
+    sign(bundle, read_key(key))
+    marker = tmp_path / "PWNED"
+    region = sorted((bundle / "regions").iterdir())[0]
+    program = json.loads(region.read_bytes())
+    symbolic_size(program, marker)
+    verified_read = executor_module.read_manifest
+
+    def read_then_swap(*args, **kwargs):
+        manifest = verified_read(*args, **kwargs)
+        region.write_text(json.dumps(program))
+        return manifest
+
+    monkeypatch.setattr(executor_module, "read_manifest", read_then_swap)
+    from deepinfer.runtime.trust import Trust
+
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        BundleExecutor(bundle, trust=Trust(verify_key_file=key))
+    assert not marker.exists()
+
+
+def test_a_data_only_deployment_refuses_native_regions(tiny_bundle, tmp_path):
+    native = tmp_path / "native"
+    shutil.copytree(tiny_bundle("inductor"), native)
+    out = run(native, "--native-regions", "refuse")
+    assert out.returncode == 1 and "carry machine code (inductor backend)" in out.stderr, out.stderr
+    assert "--native-regions refuse" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_export_regions_relabelled_native_are_refused_too(bundle):
+    edit_manifest(bundle, lambda body: [r.update(backend="inductor") for r in body["regions"].values()])
+    out = run(bundle, "--native-regions", "refuse")
+    assert out.returncode == 1 and "carry machine code" in out.stderr, out.stderr
+
+
+def test_files_are_read_only_as_the_manifest_lists_them(bundle, tmp_path):
+    (bundle / "tokenizer.json").symlink_to("/dev/zero")  # unlisted: never opened (the manifest says bytes)
+    (bundle / "chat_template.json").symlink_to("/dev/zero")
+    assert run(bundle).returncode == 0
+    manifest = bundle / "manifest.json"
+    outside = tmp_path / "manifest.json"
+    manifest.rename(outside)
+    manifest.symlink_to(outside)
+    out = run(bundle)
+    assert out.returncode == 1 and "a symlink (a bundle holds its own files)" in out.stderr, out.stderr
+
+
+def test_a_signature_or_key_that_is_not_a_small_regular_file_is_refused(bundle, tmp_path):
+    key = tmp_path / "deploy.key"
+    key.write_text("k" * 64)
+    (bundle / "manifest.json.hmac").symlink_to("/dev/zero")
+    out = run(bundle, "--verify-key", key)
+    assert out.returncode == 1 and "manifest.json.hmac: cannot be read (a symlink" in out.stderr, out.stderr
+    (bundle / "manifest.json.hmac").unlink()
+    sign(bundle, read_key(key))
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    out = run(bundle, "--verify-key", fifo)
+    assert out.returncode == 1 and "not a regular file" in out.stderr, out.stderr
+    out = run(bundle, "--verify-key", "/dev/zero")
+    assert out.returncode == 1 and "not a regular file" in out.stderr, out.stderr
+
+
+def test_a_manifest_without_its_toolchain_is_refused(bundle):
+    edit_manifest(bundle, lambda body: body.update(toolchain={}))
+    with pytest.raises(BundleError, match="toolchain does not say which deepinfer, python, torch"):
+        read_manifest(bundle, toolchain_versions())
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "../../outside.ep.json", "regions/../../x", "regions//x"])

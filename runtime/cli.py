@@ -22,12 +22,13 @@ from pathlib import Path
 import click
 
 from .collectives import CollectiveFailed
-from .engine import Engine, Request
+from .engine import Engine, Request, check_request
 from .errors import DeepinferError
 from .launch import Leader
-from .manifest import peek_world_size
+from .manifest import peek_world_size, read_manifest
 from .sampling import SamplingParams
 from .trust import Trust, trust_options
+from .versions import toolchain_versions
 
 
 def open_bundle(bundle: Path, under_torchrun: bool, trust: Trust = Trust(), on_failure=None):
@@ -41,10 +42,21 @@ def open_bundle(bundle: Path, under_torchrun: bool, trust: Trust = Trust(), on_f
 
 
 def parse_ids(text: str) -> list[int]:
+    """ASCII digits only: int() would also read other scripts' digits ("١,٢" as 1,2)."""
+    ids = [t.strip() for t in text.split(",") if t.strip()]
+    if not all(t.isascii() and t.isdigit() and len(t) < 19 for t in ids):
+        raise click.BadParameter(f"{text!r}: give comma-separated token ids, e.g. 1,2,3", param_hint="--prompt-ids")
+    return [int(t) for t in ids]
+
+
+def check_text(text: str) -> str:
+    """A --prompt that is Unicode text (invalid UTF-8 in argv arrives as lone surrogates)."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: give comma-separated token ids, e.g. 1,2,3", param_hint="--prompt-ids") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = text.encode("utf-8", "backslashreplace").decode()[:60]
+        raise click.BadParameter(f"{shown!r} is not valid UTF-8 text", param_hint="--prompt") from None
+    return text
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,6 +77,8 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
 
     if not prompts and not prompt_ids:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
+    prompts = [check_text(p) for p in prompts]
+    ids = [parse_ids(p) for p in prompt_ids]  # (bad ids are a usage error before the bundle loads)
     trust = Trust.of_options(verify_key, native_regions)
     under_torchrun = "RANK" in os.environ and "DEEPINFER_RING_FD" not in os.environ
     if under_torchrun and int(os.environ["RANK"]) > 0:
@@ -77,13 +91,16 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
     try:
         sampling = SamplingParams(temperature, top_p, seed)
         sampling.check()  # before the bundle loads: a bad flag should not cost a start-up
+        manifest = read_manifest(Path(bundle), toolchain_versions(), rank=0)  # (no file is read but the manifest)
+        for prompt in ids:
+            check_request(Request(prompt, max_tokens, sampling), manifest.vocab_size, manifest.kv.max_len)
         trace_path = knobs.region_trace_path()
         load_start = time.perf_counter()
         executor = open_bundle(Path(bundle), under_torchrun, trust)
         tokenizer = bundle_tokenizer(executor)
         load_seconds = time.perf_counter() - load_start
         engine = Engine.for_bundle(executor)
-        all_ids = [tokenizer.encode(p) for p in prompts] + [parse_ids(p) for p in prompt_ids]
+        all_ids = [tokenizer.encode(p) for p in prompts] + ids
         results = engine.generate([Request(ids, max_tokens, sampling) for ids in all_ids])
     except DeepinferError as err:
         if isinstance(err, CollectiveFailed) and isinstance(executor, Leader):
@@ -101,12 +118,17 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
 
     texts = [tokenizer.decode(r.token_ids) for r in results]
     _print_results(prompts, prompt_ids, results, texts, as_json, load_seconds, executor.host_seconds)
+    failed = [(i, r.error) for i, r in enumerate(results) if r.finish_reason == "error"]
+    for i, error in failed:
+        click.echo(f"deepinfer-run: prompt {i}: {error}", err=True)
     if executor.trace_events is not None:
         try:
             executor.write_trace(trace_path)
         except OSError as err:  # the results are out already; only the trace is lost
             click.echo(f"deepinfer-run: could not write the region trace to {trace_path}: {err.strerror}", err=True)
             sys.exit(1)
+    if failed:
+        sys.exit(1)
 
 
 def _print_results(prompts, prompt_ids, results, texts, as_json: bool, load_seconds: float, host_seconds):

@@ -40,7 +40,8 @@ class Request:
 class Result:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "eos" | "max_tokens" | "context" | "cancelled"
+    finish_reason: str = ""  # "eos" | "max_tokens" | "context" | "cancelled" | "error"
+    error: str = ""  # with finish_reason "error": what failed (this request only; the engine goes on)
     ttft: float = 0.0  # seconds from submission to the first token
     token_times: list[float] = field(default_factory=list)  # seconds from submission to each token
 
@@ -75,6 +76,28 @@ class Sequence:
         return len(self.request.prompt_ids) + len(self.result.token_ids) - 1
 
 
+def check_request(request: Request, vocab_size: int | None, max_len: int):
+    """Refuse what the compiled graphs cannot take: they index embeddings and the cache with
+    these values and no bounds checks. (deepinfer-run calls it before the bundle loads too.)"""
+    n = len(request.prompt_ids)
+    if n == 0:
+        raise DeepinferError("empty prompt: give at least one token.")
+    if vocab_size is not None:
+        bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise DeepinferError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}); "
+                                 "prompt ids must come from this model's tokenizer.")
+    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise DeepinferError(f"max_tokens={request.max_tokens!r}: give at least 1.")
+    request.sampling.check()
+    if n >= max_len:
+        raise DeepinferError(
+            f"prompt of {n} tokens is past the context limit: the bundle's KV pool holds "
+            f"kv.max_len={max_len} positions, so a prompt may have at most {max_len - 1} tokens. "
+            "Shorten the prompt or compile with a larger kv.max_len."
+        )
+
+
 class Engine:
     def __init__(self, executor, prefill_buckets, decode_buckets, max_seqs: int, max_len: int, eos_id: int | None,
                  vocab_size: int | None = None, contexts: dict[str, list[int]] | None = None):
@@ -96,25 +119,7 @@ class Engine:
                    m.vocab_size, m.contexts)
 
     def check(self, request: Request):
-        """Refuse what the compiled graphs cannot take: they index embeddings and the cache with
-        these values and no bounds checks."""
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise DeepinferError("empty prompt: give at least one token.")
-        if self.vocab_size is not None:
-            bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-            if bad:
-                raise DeepinferError(f"token id {bad[0]} is outside the model's vocabulary [0, {self.vocab_size}); "
-                                     "prompt ids must come from this model's tokenizer.")
-        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise DeepinferError(f"max_tokens={request.max_tokens!r}: give at least 1.")
-        request.sampling.check()
-        if n >= self.max_len:
-            raise DeepinferError(
-                f"prompt of {n} tokens is past the context limit: the bundle's KV pool holds "
-                f"kv.max_len={self.max_len} positions, so a prompt may have at most {self.max_len - 1} tokens. "
-                "Shorten the prompt or compile with a larger kv.max_len."
-            )
+        check_request(request, self.vocab_size, self.max_len)
 
     def submit(self, request: Request, seed: int | None = None) -> Sequence:
         """Queue a request (checked first); its sampling generator starts from `seed` (default: its own)."""
@@ -215,8 +220,12 @@ class Engine:
         return next((c for c in self.contexts.get(method, ()) if c >= positions), None)
 
     def _append(self, seq: Sequence, logits: torch.Tensor):
-        token = int(sample(logits[None], seq.request.sampling, seq.generator)[0])
         result = seq.result
+        try:
+            token = int(sample(logits[None], seq.request.sampling, seq.generator)[0])
+        except RuntimeError as err:  # logits that are not numbers: this request fails, the others go on
+            result.finish_reason, result.error = "error", f"sampling failed: {str(err).splitlines()[0]}"
+            return
         result.token_ids.append(token)
         now = time.perf_counter() - seq.submitted
         result.token_times.append(now)

@@ -108,14 +108,15 @@ def one_of(*values):
 # --- structure -----------------------------------------------------------------------------
 
 def fields(**checks):
-    """An object whose keys are some of `checks`' names (torch writes them all; a missing one is
-    the deserializer's complaint, caught as a bad region)."""
+    """An object with exactly `checks`' keys (torch writes every field of its schema)."""
     def check_fields(value, path):
         if not isinstance(value, dict):
             raise Refused(path, f"must be an object, not {_show(value)}")
-        unknown = sorted(set(value) - set(checks))
+        unknown, missing = sorted(set(value) - set(checks)), sorted(set(checks) - set(value))
         if unknown:
             raise Refused(path, f"has field(s) {unknown[:5]} that deepinfer-compile never writes")
+        if missing:
+            raise Refused(path, f"lacks field(s) {missing[:5]}")
         for key, item in value.items():
             checks[key](item, f"{path}.{key}")
     return check_fields

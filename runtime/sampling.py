@@ -7,6 +7,10 @@ import torch
 
 from .errors import DeepinferError
 
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): logits / T in float32 would soon
+# overflow, and T itself underflows to 0 in float32 below ~1e-45.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,14 +29,16 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N]."""
-    if params.temperature <= 0:
+    """logits [N, V] float32 -> token ids [N]. Raises only on logits that are not numbers (NaN):
+    the engine then fails that one request."""
+    if params.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = (logits / params.temperature).softmax(dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
+        outside[..., 0] = False  # (a top_p that underflows to 0 in float32 would mask it too)
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -11,7 +11,7 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -21,7 +21,8 @@ from ..tokenizer import bundle_tokenizer
 from .chat import ChatTemplate
 from .engine_thread import EngineThread, Failed, Handle
 from .metrics import Metrics
-from .protocol import APIError, Generation, bad, message_text, parse_chat, parse_completion
+from .protocol import APIError, Generation, bad, message_text, not_unicode, parse_chat, parse_completion
+from .template_worker import RENDER_SECONDS, TemplateRenderer
 from .text import TextStream
 
 MAX_BODY_BYTES = 4 << 20
@@ -32,12 +33,14 @@ class OpenAIServer:
     """State the routes share. `open_executor()` loads the bundle on the engine thread;
     `request_exit()` asks the HTTP server to stop (set by the command line)."""
 
-    def __init__(self, open_executor, model_name: str, max_queue: int, api_key: str | None = None):
+    def __init__(self, open_executor, model_name: str, max_queue: int, api_key: str | None = None,
+                 render_seconds: float = RENDER_SECONDS, body_seconds: float = 30.0):
         self.open_executor, self.model_name, self.max_queue, self.api_key = open_executor, model_name, max_queue, api_key
+        self.render_seconds, self.body_seconds = render_seconds, body_seconds
         self.metrics = Metrics()
         self.engine_thread: EngineThread | None = None
         self.engine = None  # once loaded
-        self.tokenizer = self.chat_template = None
+        self.tokenizer = self.renderer = None
         self.inflight = 0  # prompts admitted and not yet answered
         self.draining = False
         self.failure: str | None = None
@@ -61,12 +64,14 @@ class OpenAIServer:
         self.engine_thread.start()
         yield
         self.engine_thread.stop(timeout=60)
+        if self.renderer is not None:
+            await self.renderer.close()
 
     def _load(self):
         """On the engine thread: the executor, the tokenizer and the chat template."""
         executor = self.open_executor()
         self.tokenizer = bundle_tokenizer(executor)
-        self.chat_template = ChatTemplate.of_bundle(executor)
+        self.renderer = TemplateRenderer(ChatTemplate.of_bundle(executor), self.render_seconds)
         return executor
 
     def _ready(self, engine):
@@ -98,9 +103,9 @@ class OpenAIServer:
     async def chat(self, request: HTTPRequest) -> Response:
         generation = await self._accept(request, parse_chat)
         try:
-            text = self.chat_template.render([message_text(m) for m in generation.prompts[0]])
+            text = await self.renderer.render([message_text(m) for m in generation.prompts[0]])
         except ValueError as err:
-            raise bad("messages", str(err)) from None
+            raise bad("messages", f"{self.renderer.template.where} failed on these messages: {err}") from None
         return await self._respond(request, generation, [self.tokenizer.encode(text, add_special_tokens=False)], chat=True)
 
     async def models(self, request: HTTPRequest) -> Response:
@@ -139,7 +144,7 @@ class OpenAIServer:
         """The checks every generation request passes, in the order a client should hear of them:
         key, body, parameters, model, then whether the engine can take it."""
         self._authorize(request)
-        body = await _json_body(request)
+        body = await _json_body(request, self.body_seconds)
         generation = parse(body)
         self._check_model(body)
         self._check_available()
@@ -155,6 +160,9 @@ class OpenAIServer:
 
     def _check_model(self, body: dict):
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad("model", f"{str(model)[:40]!r}: give the model's name as a string.")
+        # (A request without `model` is served: this server has one model, and curl users expect it.)
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model {model!r} does not exist: this server serves {self.model_name!r}.",
                            param="model", code="model_not_found")
@@ -182,15 +190,19 @@ class OpenAIServer:
                 code = "context_length_exceeded" if len(ids) >= max_len else None
                 raise APIError(400, str(err), param=param, code=code) from None
             if max_tokens > room:
-                raise APIError(400, f"max_tokens={max_tokens} does not fit: a prompt of {len(ids)} tokens leaves room for "
+                name = generation.max_tokens_param
+                raise APIError(400, f"{name}={max_tokens} does not fit: a prompt of {len(ids)} tokens leaves room for "
                                     f"at most {room} in this model's context of {max_len} positions.",
-                               param="max_tokens", code="context_length_exceeded")
+                               param=name, code="context_length_exceeded")
             requests.append(request)
         return requests
 
     async def _respond(self, http: HTTPRequest, generation: Generation, prompts: list[list[int]], chat: bool) -> Response:
         requests = self._requests(generation, prompts, "messages" if chat else "prompt")
         capacity = self.engine.max_seqs + self.max_queue
+        if len(requests) > capacity:
+            raise bad("prompt", f"{len(requests)} prompts in one request can never be taken: this server runs "
+                                f"{self.engine.max_seqs} and queues {self.max_queue}; send at most {capacity}.")
         if self.inflight + len(requests) > capacity:
             raise APIError(429, f"the server is at capacity ({self.engine.max_seqs} running and {self.max_queue} queued "
                                 "requests); retry later.", headers={"Retry-After": "1"})
@@ -265,6 +277,8 @@ class _Reply:
                     finish = "stop"
                 elif finish == "cancelled":
                     raise APIError(503, "the server is shutting down: this request was cancelled.")
+                elif finish == "error":
+                    raise APIError(500, f"generating prompt {i} failed ({event.error}); the server goes on.")
                 new_ids = event.token_ids
                 if finish:
                     text += stream.finish()
@@ -348,21 +362,35 @@ async def _disconnected(http: HTTPRequest):
         pass
 
 
-async def _json_body(request: HTTPRequest) -> dict:
+async def _json_body(request: HTTPRequest, seconds: float) -> dict:
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body of {int(length)} bytes is over this server's limit of {MAX_BODY_BYTES}.")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over this server's limit of {MAX_BODY_BYTES} bytes.")
+
+    async def read() -> bytearray:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over this server's limit of {MAX_BODY_BYTES} bytes.")
+        return raw
+
+    try:
+        raw = await asyncio.wait_for(read(), seconds)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {seconds:g} s.") from None
+    except ClientDisconnect:  # (nobody is left to read the answer)
+        raise APIError(400, "the client disconnected before the whole body arrived.") from None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
         raise APIError(400, "the request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object.")
+    where = not_unicode(body)
+    if where is not None:
+        raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate such as \\ud800).",
+                       param=where.split(".")[0].split("[")[0])
     return body
 
 

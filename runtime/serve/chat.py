@@ -14,7 +14,7 @@ DEFAULT_TEMPLATE = (
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", where: str = "the default chat template"):
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -27,8 +27,8 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
         except TemplateError as err:
-            raise DeepinferError(f"the bundle's chat template does not parse ({err}).") from None
-        self.bos_token, self.eos_token = bos_token, eos_token
+            raise DeepinferError(f"the chat template does not parse ({err}).") from None
+        self.source, self.bos_token, self.eos_token, self.where = source, bos_token, eos_token, where
 
     @classmethod
     def of_bundle(cls, executor) -> "ChatTemplate":
@@ -37,20 +37,27 @@ class ChatTemplate:
         rel = executor.manifest.chat_template
         if rel is None:
             return cls(DEFAULT_TEMPLATE)
-        path = executor.bundle / rel
+        return cls.of_json(executor.files.text(rel), str(executor.bundle / rel))
+
+    @classmethod
+    def of_json(cls, text: str, where: str) -> "ChatTemplate":
+        """A chat_template.json: {"template", "bos_token", "eos_token"}."""
         try:
-            spec = json.loads(executor.files.text(rel))
-            return cls(spec["template"], spec.get("bos_token") or "", spec.get("eos_token") or "")
-        except (ValueError, KeyError, TypeError, DeepinferError) as err:
-            raise DeepinferError(f"{path}: not a usable chat template ({err}); recompile the bundle from a checkpoint "
+            spec = json.loads(text)
+            return cls(spec["template"], spec.get("bos_token") or "", spec.get("eos_token") or "", where)
+        except (ValueError, KeyError, TypeError, AttributeError, DeepinferError) as err:
+            raise DeepinferError(f"{where}: not a usable chat template ({err}); recompile the bundle from a checkpoint "
                                  "whose tokenizer_config.json or chat_template.jinja holds a valid one.") from None
 
-    def render(self, messages: list[dict]) -> str:
-        """Raises ValueError (the template's own complaint, e.g. roles out of order) on messages it refuses."""
-        from jinja2 import TemplateError
+    def spec(self) -> dict:
+        """What a render worker needs to build the same template."""
+        return {"template": self.source, "bos_token": self.bos_token, "eos_token": self.eos_token}
 
+    def render(self, messages: list[dict]) -> str:
+        """In this process, unbounded (the server renders through template_worker). Raises
+        ValueError on any failure: the template's own complaint (roles out of order), or its bug."""
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
                                         eos_token=self.eos_token)
-        except TemplateError as err:
-            raise ValueError(f"the chat template refused these messages: {err}") from None
+        except Exception as err:  # a template is code: 1/0, messages + 1, the sandbox saying no ...
+            raise ValueError(f"{type(err).__name__}: {err}") from None

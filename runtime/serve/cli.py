@@ -37,14 +37,16 @@ from ..trust import Trust, trust_options
 @click.option("--served-model-name", help="the model id clients send  [default: the bundle's recipe name]")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="seconds in-flight requests get to finish after SIGTERM")
+@click.option("--request-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="seconds a client has to send a request's headers, and then its body")
 @trust_options
-def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verify_key, native_regions):
+def main(bundle, host, port, max_queue, api_key, served_model_name, grace, request_timeout, verify_key, native_regions):
     """Serve a compiled bundle over OpenAI's HTTP API."""
     try:
         import uvicorn
 
         from .app import OpenAIServer
-        from .server import DrainingServer
+        from .server import DrainingServer, head_deadline_protocol
     except ImportError as err:
         raise click.ClickException(f"deepinfer-serve needs the serve extra ({err.name} is missing): "
                                    "pip install 'deepinfer[serve]'") from None
@@ -73,8 +75,9 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, verif
                                    "(0 takes any free one).") from None
 
     api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, trust, on_failure=lambda m: api.engine_thread.fail(m)),
-                       name, max_queue, api_key)
-    server = DrainingServer(uvicorn.Config(api.app, log_level="warning", lifespan="on"), api, grace)
+                       name, max_queue, api_key, body_seconds=request_timeout)
+    config = uvicorn.Config(api.app, log_level="warning", lifespan="on", http=head_deadline_protocol(request_timeout))
+    server = DrainingServer(config, api, grace)
     click.echo(f"deepinfer-serve: listening on http://{host}:{sock.getsockname()[1]} (model {name!r}; loading {bundle})",
                err=True)
     server.run(sockets=[sock])

@@ -23,6 +23,7 @@ class Tokens:
     index: int
     token_ids: list[int]
     finish_reason: str | None
+    error: str = ""  # with finish_reason "error": why this prompt failed
 
 
 @dataclass
@@ -149,7 +150,7 @@ class EngineThread:
                 self.handles.remove(handle)
                 if len(result.token_ids) > 1:
                     self.metrics.tpot.observe(result.tpot)
-            self.loop.call_soon_threadsafe(handle.events.put_nowait, Tokens(handle.index, new, finish))
+            self.loop.call_soon_threadsafe(handle.events.put_nowait, Tokens(handle.index, new, finish, result.error))
 
     def _publish(self):
         self.metrics.running.set(len(self.engine.running))

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from ..sampling import SamplingParams
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "server_error"}
 
 # Parameters we do not build, and the one value each may take (what asking for nothing looks like).
 NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
@@ -44,6 +45,7 @@ class Generation:
     include_usage: bool = False
     ignore_eos: bool = False
     return_token_ids: bool = False
+    max_tokens_param: str = "max_tokens"  # the name the client used (chat: max_completion_tokens too)
 
 
 def bad(param: str, message: str) -> APIError:
@@ -79,8 +81,9 @@ def parse_chat(body: dict) -> Generation:
                 raise bad(f"messages[{i}].content", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", "give a string or a list of text parts.")
-    limit = _optional_int(body, "max_completion_tokens", None)
-    return _generation(body, [messages], _optional_int(body, "max_tokens", limit))
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        return _generation(body, [messages], _optional_int(body, "max_completion_tokens", None), "max_completion_tokens")
+    return _generation(body, [messages], _optional_int(body, "max_tokens", None))
 
 
 def message_text(message: dict) -> dict:
@@ -91,9 +94,9 @@ def message_text(message: dict) -> dict:
     return {**message, "content": content}
 
 
-def _generation(body: dict, prompts: list, max_tokens: int | None) -> Generation:
+def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> Generation:
     if max_tokens is not None and max_tokens < 1:
-        raise bad("max_tokens", f"{max_tokens} is not a number of tokens to generate: give 1 or more.")
+        raise bad(max_tokens_param, f"{max_tokens} is not a number of tokens to generate: give 1 or more.")
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise bad("temperature", f"{temperature} is outside [0, 2].")
@@ -116,7 +119,33 @@ def _generation(body: dict, prompts: list, max_tokens: int | None) -> Generation
         raise bad("stream_options", "only {\"include_usage\": true|false} is supported.")
     return Generation(prompts, max_tokens, SamplingParams(temperature, top_p, seed), stop,
                       stream=_flag(body, "stream"), include_usage=bool((options or {}).get("include_usage")),
-                      ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"))
+                      ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"),
+                      max_tokens_param=max_tokens_param)
+
+
+def not_unicode(body) -> str | None:
+    """The path of the first string (or key) in a parsed JSON body that is not Unicode text: JSON's
+    escapes can spell a lone surrogate ("\\ud800"), which no tokenizer or encoder takes."""
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        if isinstance(value, str) and not _is_text(value):
+            return path or "body"
+        for key, item in items:
+            where = f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}" if path else key
+            if isinstance(key, str) and not _is_text(key):
+                return f"{path or 'body'} key {key.encode('utf-8', 'backslashreplace').decode()[:40]!r}"
+            stack.append((where, item))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_fields(body: dict, allowed: set):

@@ -98,3 +98,27 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
         engine.step()
     alone, _ = greedy(model, list(range(20, 60)), 5)
     assert long.result.token_ids == alone[: len(long.result.token_ids)] and long.result.finish_reason in ("max_tokens", "eos")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-6),
+                                    SamplingParams(temperature=1.0, top_p=1e-300), SamplingParams(temperature=1e-300, top_p=1e-300)])
+def test_parameters_that_underflow_in_float32_still_sample(params):
+    """In range, yet 0 in float32: a tiny temperature is greedy, a tiny top_p keeps the top token."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, params, torch.Generator().manual_seed(1)), logits.argmax(-1))
+
+
+def test_a_sampling_failure_fails_its_request_only(model):
+    engine = eager_engine(model)
+    run = engine.executor.run
+
+    def run_with_one_bad_row(step):  # the model gives NaN logits for slot 0 only
+        logits = run(step)
+        rows = (step.read_slot if step.method == "prefill" else step.slots)[: logits.shape[0]]
+        return logits.masked_fill((rows == 0)[:, None], float("nan"))
+
+    engine.executor.run = run_with_one_bad_row
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    bad, good = engine.generate([Request([5, 6, 7], max_tokens=4, sampling=sampled), Request([9, 8], max_tokens=4, sampling=sampled)])
+    assert bad.finish_reason == "error" and "sampling failed" in bad.error and not bad.token_ids
+    assert good.finish_reason == "max_tokens" and len(good.token_ids) == 4

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from deepinfer.compiler.tokenizer_files import tokenizer_files
-from deepinfer.runtime.serve.chat import ChatTemplate
+from deepinfer.runtime.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from deepinfer.runtime.serve.text import TextStream
 from deepinfer.runtime.tokenizer import ByteTokenizer
 
@@ -51,13 +51,12 @@ def test_the_chat_template_comes_from_the_checkpoint(tmp_path):
     spec = json.loads(tokenizer_files(str(tmp_path))["chat_template.json"])
     assert spec == {"template": template, "bos_token": "<s>", "eos_token": "</s>"}
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")  # a separate file wins
-    path = tmp_path / "chat_template.json"
-    path.write_bytes(tokenizer_files(str(tmp_path))["chat_template.json"])
-    assert ChatTemplate.of_bundle(path).render([{"role": "user", "content": "hi"}]) == "hi!"
+    text = tokenizer_files(str(tmp_path))["chat_template.json"].decode()
+    assert ChatTemplate.of_json(text, "chat_template.json").render([{"role": "user", "content": "hi"}]) == "hi!"
 
 
 def test_the_default_template_and_a_template_that_refuses():
-    assert ChatTemplate.of_bundle(None).render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+    assert ChatTemplate(DEFAULT_TEMPLATE).render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
     strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
     with pytest.raises(ValueError, match="user first"):
         strict.render([{"role": "system", "content": "x"}])

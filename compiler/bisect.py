@@ -28,6 +28,7 @@ import torch
 import yaml
 from torch import fx
 
+from . import recipe_yaml
 from .backends import backend_module
 from .build import Plan, compile_regions, plan
 from .cache import CompileCache
@@ -227,7 +228,7 @@ def verify_boundary(recipe: Recipe, boundary: dict, cache: CompileCache, timeout
 def apply_boundaries(recipe_path: Path, boundaries: list[dict]):
     """Add boundaries under `regions.boundaries`, rewriting only the `regions:` block of the file."""
     text = recipe_path.read_text()
-    regions = dict((yaml.safe_load(text) or {}).get("regions") or {})
+    regions = dict((recipe_yaml.load(text)[0] or {}).get("regions") or {})
     merged = list(regions.get("boundaries") or [])
     merged += [b for i, b in enumerate(boundaries) if b not in merged and b not in boundaries[:i]]
     regions["boundaries"] = merged

@@ -14,11 +14,11 @@ from deepinfer.models import QUANTIZED_WEIGHTS, model_config
 from deepinfer.models.moe import DEFAULT_CAPACITY
 from deepinfer.runtime.errors import DeepinferError
 
+from . import recipe_yaml
 from .backends import BACKENDS, backend_module, options_problem
 
 METHODS = ("prefill", "decode")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
-MAX_NODES = 10_000  # values in a recipe once YAML aliases are expanded
 MAX_SEQS = 1 << 16  # sequence slots in the KV pool
 MAX_LEN = 1 << 24  # positions per slot
 MAX_BUCKETS = 64  # per method
@@ -76,12 +76,10 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     except UnicodeDecodeError as err:
         raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8 YAML.") from None
     try:
-        root = yaml.compose(text)
-        if _expanded_size(root, {}) > MAX_NODES:
-            raise RecipeError(f"{path}: the YAML expands to more than {MAX_NODES} values (aliases of aliases?); "
-                              "a recipe is a few dozen keys.")
-        raw = yaml.safe_load(text)
-        lines = _key_lines(root, "", set())
+        raw, root = recipe_yaml.load(text)
+        lines = _key_lines(root, "", set()) if root is not None else {}
+    except recipe_yaml.RecipeYAMLError as err:
+        raise RecipeError(f"{path}:{err.line}: {err}") from None
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
     except RecursionError:
@@ -238,16 +236,6 @@ def _validate(raw: dict, schema: dict, prefix: str, fail) -> dict:
             fail(dotted, f"must be {kind.__name__}, not {type(value).__name__} ({value!r}).")
         out[key] = value
     return out
-
-
-def _expanded_size(node, sizes: dict) -> int:
-    """Values in the document once every alias is expanded (memoized, so linear in the nodes)."""
-    if id(node) not in sizes:
-        sizes[id(node)] = 0  # a recursive alias counts once
-        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
-            node.value if isinstance(node, yaml.SequenceNode) else []
-        sizes[id(node)] = 1 + sum(_expanded_size(child, sizes) for child in children)
-    return sizes[id(node)]
 
 
 def _key_lines(node, prefix: str, seen: set) -> dict[str, int]:

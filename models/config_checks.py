@@ -45,13 +45,23 @@ def check_fields(config, source: str, skip=(), optional=(), non_negative=(), lim
             fail(key, f"must be a token id below vocab_size={config.vocab_size}.")
 
 
+def first_eos(values: dict, source: str) -> dict:
+    """HF configs may list several EOS ids; the engine stops at the first. Every one must be an id."""
+    eos = values.get("eos_token_id")
+    if not isinstance(eos, list):
+        return {}
+    if not eos or not all(type(t) is int for t in eos):
+        raise ConfigError(f"{source}: eos_token_id={eos!r} must be a token id or a non-empty list of them.")
+    return {"eos_token_id": eos[0]}
+
+
 def check_rope(rope, source: str, label: str = "rope"):
     for key in ("rope_theta", "factor", "beta_fast", "beta_slow"):
         if not _positive_number(getattr(rope, key)):
             raise ConfigError(f"{source}: {label} {key}={getattr(rope, key)!r} must be a positive finite number.")
     for key in ("mscale", "mscale_all_dim"):
         value = getattr(rope, key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        if not _finite_number(value) or value < 0:
             raise ConfigError(f"{source}: {label} {key}={value!r} must be a finite number, 0 or more.")
     if rope.attention_factor is not None and not _positive_number(rope.attention_factor):
         raise ConfigError(f"{source}: {label} attention_factor={rope.attention_factor!r} must be a positive finite number.")
@@ -63,4 +73,11 @@ def check_rope(rope, source: str, label: str = "rope"):
 
 
 def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return _finite_number(value) and value > 0
+
+
+def _finite_number(value) -> bool:
+    """A float that is finite, or an int a float can hold (config.json may spell a 400-digit one)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return type(value) is int and abs(value) < 1 << 63

@@ -7,7 +7,7 @@ Only fields that change the math are kept; anything else in a checkpoint's confi
 import math
 from dataclasses import dataclass, field, fields
 
-from .config_checks import ConfigError, check_fields, check_rope
+from .config_checks import ConfigError, check_fields, check_rope, first_eos
 from .moe import DEFAULT_CAPACITY
 from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_quantization
 
@@ -155,9 +155,12 @@ def _checked_fields(raw: dict, source: str) -> dict:
     values = {k: raw[k] for k in known if k in raw and raw[k] is not None}
     if raw.get("q_lora_rank", 0) is None:
         values["q_lora_rank"] = None  # null means a plain q projection
-    if isinstance(values.get("eos_token_id"), list) and values["eos_token_id"]:
-        values["eos_token_id"] = values["eos_token_id"][0]
-    # num_key_value_heads is not read: MLA's kv_b_proj expands the shared latent for every head.
+    values.update(first_eos(values, source))
+    # num_key_value_heads is not used (MLA's kv_b_proj expands the shared latent for every head),
+    # but a value that is not a head count is a broken config.
+    heads = raw.get("num_key_value_heads")
+    if heads is not None and (type(heads) is not int or heads < 1):
+        raise ConfigError(f"{source}: num_key_value_heads={heads!r} must be a positive integer.")
     return values  # types, ranges and relations: _check_values
 
 

@@ -6,7 +6,7 @@ validated on the way in. Legacy fields (`compress_ratios`, `num_hash_layers`,
 import math
 from dataclasses import dataclass, field, fields
 
-from .config_checks import ConfigError, check_fields, check_rope
+from .config_checks import ConfigError, check_fields, check_rope, first_eos
 from .deepseek_v3_config import RopeConfig
 from .moe import DEFAULT_CAPACITY
 from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_quantization
@@ -130,8 +130,7 @@ class DeepseekV4Config:
                 raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported (only {allowed[0]!r}).")
         known = {f.name for f in fields(cls)} - {*NOT_HF_FIELDS, "layer_types", "mlp_layer_types"}
         values = {k: raw[k] for k in known if raw.get(k) is not None}
-        if isinstance(values.get("eos_token_id"), list) and values["eos_token_id"]:
-            values["eos_token_id"] = values["eos_token_id"][0]
+        values.update(first_eos(values, source))
         if raw.get("eos_token_id", 1) is None:
             values["eos_token_id"] = None
         _fold_legacy(raw, values, source)
@@ -146,29 +145,36 @@ def _fold_legacy(raw: dict, values: dict, source: str):
     if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= 1024:
         raise ConfigError(f"{source}: num_hidden_layers={n!r} must be an integer in [1, 1024].")
     rates = raw.get("compress_rates") or {}
-    if not isinstance(rates, dict):
-        raise ConfigError(f"{source}: compress_rates must be a mapping {{attention type: rate}}, not {rates!r}.")
+    if not isinstance(rates, dict) or set(rates) - {CSA, HCA}:
+        raise ConfigError(f"{source}: compress_rates must be a mapping {{{CSA!r} or {HCA!r}: rate}}, not {rates!r}.")
     for key, name in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
         if key in rates:
             values[name] = rates[key]
+    # Legacy fields are checked even where newer ones override them: a wrong value is a wrong config.
+    ratios = raw.get("compress_ratios")
+    if ratios is not None:
+        # DeepSeek's own config lists one more ratio than layers: its MTP layer's (not a main layer).
+        if (not isinstance(ratios, list) or len(ratios) not in (n, n + 1)
+                or not all(type(r) is int and r in _LEGACY_RATIO for r in ratios)):
+            raise ConfigError(f"{source}: compress_ratios={ratios!r} must list a legacy ratio, 0 (sliding), 4 (CSA) or "
+                              f"128 (HCA), for each of the num_hidden_layers={n} layers (and one for the MTP layer).")
+    n_hash = raw.get("num_hash_layers")
+    n_hash = 3 if n_hash is None else n_hash  # transformers' default
+    if type(n_hash) is not int or not 0 <= n_hash <= n:
+        raise ConfigError(f"{source}: num_hash_layers={n_hash!r} must be an integer in [0, num_hidden_layers={n}].")
     layer_types = raw.get("layer_types")
-    if layer_types is None and raw.get("compress_ratios") is not None:
-        ratios = raw["compress_ratios"]
-        bad = [r for r in ratios if r not in _LEGACY_RATIO] if isinstance(ratios, list) else ratios
-        if bad:
-            raise ConfigError(f"{source}: compress_ratios has {bad!r}; legacy ratios are 0 (sliding), 4 (CSA), 128 (HCA).")
-        layer_types = [_LEGACY_RATIO[r] for r in ratios]
+    if layer_types is None and ratios is not None:
+        layer_types = [_LEGACY_RATIO[r] for r in ratios[:n]]
     if layer_types is None:  # transformers' default: 2 HCA, then CSA / HCA interleaved
         layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     mlp_types = raw.get("mlp_layer_types")
     if mlp_types is None:
-        n_hash = raw.get("num_hash_layers", 3)
-        mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        mlp_types = ["hash_moe"] * n_hash + ["moe"] * (n - n_hash)
     for key, types, allowed in (("layer_types", layer_types, ATTENTION_TYPES), ("mlp_layer_types", mlp_types, MLP_TYPES)):
-        if not isinstance(types, list) or len(types) < n or any(t not in allowed for t in types):
-            raise ConfigError(f"{source}: {key} must list one of {allowed} for each of the num_hidden_layers={n} layers; "
-                              f"got {types!r}.")
-    values["layer_types"], values["mlp_layer_types"] = tuple(layer_types[:n]), tuple(mlp_types[:n])
+        if not isinstance(types, list) or len(types) != n or any(not isinstance(t, str) or t not in allowed for t in types):
+            raise ConfigError(f"{source}: {key} must list one of {allowed} for each of the num_hidden_layers={n} layers, "
+                              f"no more and no fewer; got {types!r}.")
+    values["layer_types"], values["mlp_layer_types"] = tuple(layer_types), tuple(mlp_types)
     head_dim = values.get("head_dim", DeepseekV4Config.head_dim)
     factor = raw.get("partial_rotary_factor")
     if factor is None and raw.get("qk_rope_head_dim") is not None:
@@ -183,6 +189,9 @@ def _main_rope(raw: dict, source: str) -> RopeConfig:
     """The sliding layers' rope: default (unscaled) over `rope_theta`, as transformers builds it."""
     params = raw.get("rope_parameters")
     main = params.get("main") if isinstance(params, dict) else None
+    if main is not None and (not isinstance(main, dict) or set(main) - {"rope_type", "rope_theta", "partial_rotary_factor"}):
+        raise ConfigError(f"{source}: rope_parameters.main={main!r} must be a mapping of rope_type (default), rope_theta "
+                          "and partial_rotary_factor.")
     if isinstance(main, dict):
         if main.get("rope_type", "default") != "default":
             raise ConfigError(f"{source}: rope_parameters.main.rope_type={main['rope_type']!r} is not supported (default).")
@@ -197,7 +206,10 @@ def _compress_rope(raw: dict, source: str) -> RopeConfig:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: rope_parameters must be a mapping, not {type(params).__name__}.")
-    params = dict(params.get("compress") or {k: v for k, v in params.items() if k != "main"})
+    compress = params.get("compress")
+    if compress is not None and not isinstance(compress, dict):
+        raise ConfigError(f"{source}: rope_parameters.compress must be a mapping, not {compress!r}.")
+    params = dict(compress or {k: v for k, v in params.items() if k != "main"})
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in ("default", "yarn"):
         raise ConfigError(f"{source}: rope_parameters.compress.rope_type={rope_type!r} is not supported (default or yarn).")

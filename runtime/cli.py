@@ -28,6 +28,7 @@ from .launch import Leader
 from .manifest import peek_world_size, read_manifest
 from .sampling import SamplingParams
 from .trust import Trust, trust_options
+from .tokenizer import is_text
 from .versions import toolchain_versions
 
 
@@ -51,11 +52,9 @@ def parse_ids(text: str) -> list[int]:
 
 def check_text(text: str) -> str:
     """A --prompt that is Unicode text (invalid UTF-8 in argv arrives as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_text(text):
         shown = text.encode("utf-8", "backslashreplace").decode()[:60]
-        raise click.BadParameter(f"{shown!r} is not valid UTF-8 text", param_hint="--prompt") from None
+        raise click.BadParameter(f"{shown!r} is not valid UTF-8 text", param_hint="--prompt")
     return text
 
 

@@ -5,6 +5,16 @@ from pathlib import Path
 from .errors import DeepinferError
 
 
+def is_text(value: str) -> bool:
+    """Unicode text, which every tokenizer and encoder takes: a Python str may hold lone surrogates
+    (JSON's "\\ud800", YAML's escapes, invalid UTF-8 in argv), which none does."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 2..257; ids 0 and 1 stay free for BOS/EOS. For models without a tokenizer."""
 

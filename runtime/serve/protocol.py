@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
+from ..tokenizer import is_text
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -130,22 +131,14 @@ def not_unicode(body) -> str | None:
     while stack:
         path, value = stack.pop()
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        if isinstance(value, str) and not _is_text(value):
+        if isinstance(value, str) and not is_text(value):
             return path or "body"
         for key, item in items:
             where = f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}" if path else key
-            if isinstance(key, str) and not _is_text(key):
+            if isinstance(key, str) and not is_text(key):
                 return f"{path or 'body'} key {key.encode('utf-8', 'backslashreplace').decode()[:40]!r}"
             stack.append((where, item))
     return None
-
-
-def _is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_fields(body: dict, allowed: set):

@@ -8,6 +8,7 @@ every place, deleted keys, unknown keys) and also feeds raw bytes.
 import copy
 import math
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -117,7 +118,7 @@ def test_known_bad_recipes(tmp_path):
     """The classes a hostile probe found, each by name."""
     bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
-    for name, text, message in [("alias-bomb", bomb.encode(), "expands to more than"),
+    for name, text, message in [("alias-bomb", bomb.encode(), "anchors and aliases (&name, *name) are not supported"),
                                 ("deep", ("name: " + "[" * 5000 + "]" * 5000).encode(), "nested too deeply"),
                                 ("latin-1", b"name: \xff\xfe tiny\n", "not UTF-8")]:
         path = tmp_path / f"{name}.yaml"
@@ -133,7 +134,8 @@ def test_known_bad_recipes(tmp_path):
         ({"intermediate_size": 0}, "intermediate_size=0 must be positive"),
     ]
     top = [
-        ({"kv": {"max_seqs": 4, "max_len": 2**64}}, "kv.max_len: must be in"),
+        ({"kv": {"max_seqs": 4, "max_len": 2**64}}, "does not fit in 64 bits"),
+        ({"kv": {"max_seqs": 4, "max_len": 2**40}}, "kv.max_len: must be in"),
         ({"kv": {"max_seqs": 10**9, "max_len": 256}}, "kv.max_seqs: must be in"),
         ({"kv": {"max_seqs": 4, "max_len": 512}}, "past the model's max_position_embeddings=256"),
         ({"regions": {"boundaries": [{"op": 5}]}}, "both strings"),
@@ -141,7 +143,7 @@ def test_known_bad_recipes(tmp_path):
         ({"backend": {"name": "inductor", "options": {"max_autotune": "yes"}}}, "expects a bool"),
         ({"backend": {"name": "export", "options": {"foo": 1}}}, "takes no options"),
         ({"model": {"arch": "deepseek_v9", "config": BASE["model"]["config"]}}, "model.arch='deepseek_v9' is not supported"),
-        ({"model": {"config": BASE["model"]["config"], "seed": 2**64}}, "model.seed: 18446744073709551616 must be in [0, 2**63)"),
+        ({"model": {"config": BASE["model"]["config"], "seed": 2**63}}, "does not fit in 64 bits"),
     ]
     for i, (change, message) in enumerate(inline + top):
         recipe = copy.deepcopy(BASE)
@@ -157,3 +159,38 @@ def test_known_bad_recipes(tmp_path):
 def test_zz_tally():
     """Printed with -s: how many recipes the properties above tried, and how each ended."""
     print(f"\nrecipe fuzz: {TALLY}; tracebacks 0, hangs 0 (any would have failed a test above)")
+
+
+TINY_V4 = TINY_RECIPE.with_name("tiny-v4.yaml").read_text()
+BIG = "1" + "0" * 400
+
+
+@pytest.mark.parametrize("text, message", [
+    # YAML 1.1's surprises and non-data
+    (TINY_RECIPE.read_text().replace("max_len: 256", "max_len: 4:16"), "kv.max_len: must be int, not str ('4:16')"),
+    (TINY_RECIPE.read_text().replace("max_len: 256", "max_len: 0400"), "0400 has a leading zero"),
+    (TINY_RECIPE.read_text().replace("max_len: 256", "max_len: 256, max_len: 128"), "key 'max_len' is given twice"),
+    (TINY_RECIPE.read_text().replace("config:", "config:\n    num_key_value_heads: 2024-01-01", 1),
+     "num_key_value_heads='2024-01-01' must be a positive integer"),
+    ("name: &a [*a]\n", "anchors and aliases"),
+    (TINY_RECIPE.read_text().replace("output: artifacts/tiny", "output: !!set {a, b}"), "tag:yaml.org,2002:set is not plain data"),
+    (TINY_RECIPE.read_text().replace("output: artifacts/tiny", "output: !!binary aGVsbG8="), "binary is not plain data"),
+    (TINY_RECIPE.read_text().replace("output: artifacts/tiny", 'output: "a\\0b"'), "holds a NUL"),
+    (TINY_RECIPE.read_text().replace("output: artifacts/tiny", 'output: "a\\ud800b"'), "lone surrogate"),
+    (TINY_RECIPE.read_text().replace("  seed: 0", f"  seed: 0\n  expert_capacity: {BIG}"), "does not fit in 64 bits"),
+    (TINY_RECIPE.read_text().replace("options: {}", "options: {1: 2}").replace("inductor", "export"), "key '1' is not a string"),
+    (TINY_RECIPE.read_text().replace("config:", "config:\n    eos_token_id: [5, x, null]", 1),
+     "eos_token_id=[5, 'x', None] must be a token id or a non-empty list"),
+    # DeepSeek-V4's nested and legacy fields
+    (TINY_V4.replace("layer_types:", "compress_ratios: 0\n    layer_types:", 1), "compress_ratios=0 must list a legacy ratio"),
+    (TINY_V4.replace("layer_types:", "compress_ratios: [[4]]\n    layer_types:", 1), "compress_ratios=[[4]] must list"),
+    (TINY_V4.replace("layer_types:", "num_hash_layers: 2.5\n    layer_types:", 1), "num_hash_layers=2.5 must be an integer"),
+    (TINY_V4.replace("layer_types:", "num_hash_layers: x\n    layer_types:", 1), "num_hash_layers='x' must be an integer"),
+    (TINY_V4.replace("rope_parameters: {", "rope_parameters: {compress: [1, 2], ", 1), "rope_parameters.compress must be a mapping"),
+    (TINY_V4.replace("compress_rates: {", "compress_rates: {bogus: 1, ", 1), "compress_rates must be a mapping"),
+    (TINY_V4.replace("[sliding_attention, ", "[sliding_attention, sliding_attention, ", 1), "no more and no fewer"),
+])
+def test_the_second_probes_recipes(tmp_path, text, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    assert_refused(path, message)

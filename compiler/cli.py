@@ -8,6 +8,7 @@ Prints a progress bar over the regions and a summary line; exits 2 on a bad reci
 region fails to compile (with a per-region report, and no bundle written).
 """
 
+import os
 import sys
 
 import click
@@ -18,6 +19,15 @@ from deepinfer.runtime.errors import DeepinferError
 HELP = {"help_option_names": ["-h", "--help"]}
 
 
+def exit_now(code: int):
+    """Exit without the interpreter's teardown, once everything worth keeping is on disk (workers
+    killed, finished regions cached atomically): with torch and inductor loaded, the teardown
+    alone took 1 s of CPU after Ctrl-C, 6.6 s at a load of 12 on 2 cores."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 class DefaultGroup(click.Group):
     """`deepinfer-compile RECIPE` runs `build`; `deepinfer-compile bisect ...` runs a subcommand."""
 
@@ -25,6 +35,13 @@ class DefaultGroup(click.Group):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["build", *args]
         return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # before a command's own handler (importing torch): click would say "Aborted!", exit 1
+            click.echo(f"{ctx.info_name}: interrupted while starting; nothing was written.", err=True)
+            sys.exit(130)
 
     def format_help(self, ctx, formatter):
         """How to compile (build's own help, under this command's name), then the subcommands."""
@@ -72,7 +89,7 @@ def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key, executor, ra
     except KeyboardInterrupt:
         click.echo("deepinfer-compile: interrupted; every worker was stopped, regions that finished are cached "
                    "(run the same command again to continue), and no bundle was written.", err=True)
-        sys.exit(130)
+        exit_now(130)
     click.echo(f"compiled {summary}")
 
 
@@ -134,7 +151,7 @@ def bisect_command(recipe, region, timeout, out, jobs, cache_dir, apply, executo
     except KeyboardInterrupt:
         click.echo(f"deepinfer-compile bisect: interrupted; trials so far are kept under {out}, and the same command "
                    "resumes from them.", err=True)
-        sys.exit(130)
+        exit_now(130)
     if not findings:
         click.echo("every region compiles; nothing to bisect")
         return

@@ -110,14 +110,33 @@ def _private_inductor_cache(program):
     root = Path(tempfile.gettempdir()) / f"deepinfer-inductor-{os.getuid()}"
     root.mkdir(exist_ok=True)
     work = root / key
-    with open(root / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked(root / f"{key}.lock"):
         shutil.rmtree(work, ignore_errors=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work)  # (this is the region's own worker process)
         try:
             yield
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock file that is removed when released. A waiter that wakes holding a file
+    already removed (its holder finished) tries again on the path's current file."""
+    while True:
+        lock = open(path, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        lock.close()
 
 
 def _same_kind(value, default) -> bool:

@@ -86,3 +86,27 @@ def test_help_and_version_on_every_command():
         assert out.returncode == 0 and "version" in out.stdout
     out = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", "--help"], capture_output=True, text=True)
     assert "RECIPE" in out.stdout and "--out" in out.stdout and "bisect" in out.stdout  # how to compile, at the top
+
+
+def test_parameters_that_underflow_in_float32_are_greedy(tiny_bundle):
+    args = ("--bundle", str(tiny_bundle("export")), "--prompt-ids", "5,6,7", "--max-tokens", "4", "--json")
+    greedy = json.loads(run(*args).stdout)["results"][0]["token_ids"]
+    out = run(*args, "--temperature", "1e-300", "--top-p", "1e-300")
+    assert out.returncode == 0 and json.loads(out.stdout)["results"][0]["token_ids"] == greedy, out.stderr
+
+
+def test_prompts_are_checked_before_the_bundle_loads(tiny_bundle, tmp_path):
+    """Wrong ids, other scripts' digits and invalid UTF-8 are refused with the bundle's manifest
+    alone: its weights are not even read (here they are garbage)."""
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle("export"), bundle)
+    (bundle / "weights" / "rank-0.safetensors").write_bytes(b"garbage")
+    out = run("--bundle", str(bundle), "--prompt-ids", "5,6,320")
+    assert out.returncode == 1 and "token id 320 is outside the model's vocabulary [0, 320)" in out.stderr, out.stderr
+    out = run("--bundle", str(bundle), "--prompt-ids", "\u0661,\u0662")
+    assert out.returncode == 2 and "give comma-separated token ids" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), "--prompt", b"\xff\xfe"],
+                         capture_output=True, timeout=300)
+    assert out.returncode == 2 and b"is not valid UTF-8 text" in out.stderr and b"Traceback" not in out.stderr

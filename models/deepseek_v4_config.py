@@ -19,8 +19,8 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 
 # Fields read or derived otherwise than by name from an HF config (the ropes from rope_parameters,
-# quantization from quantization_config, expert_capacity from the recipe).
-NOT_HF_FIELDS = ("rope", "compress_rope", "quantization", "expert_capacity")
+# quantization from quantization_config, expert_capacity and expert_overflow from the recipe).
+NOT_HF_FIELDS = ("rope", "compress_rope", "quantization", "expert_capacity", "expert_overflow")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class DeepseekV4Config:
     compress_rope: RopeConfig = field(default_factory=lambda: RopeConfig(rope_theta=160000.0, attention_factor=1.0))
     quantization: Fp8Blocks | None = None  # the checkpoint's fp8 / fp4 weights (models/quantization.py)
     expert_capacity: float = DEFAULT_CAPACITY  # not a checkpoint field: the recipe's model.expert_capacity (models/moe.py)
+    expert_overflow: str = "branch"  # nor this: the recipe's model.expert_overflow (models/moe.py)
 
     def compress_rate(self, attention_type: str) -> int:
         """Positions pooled into one compressed entry (0: the layer keeps none)."""
@@ -189,9 +190,10 @@ def _main_rope(raw: dict, source: str) -> RopeConfig:
     """The sliding layers' rope: default (unscaled) over `rope_theta`, as transformers builds it."""
     params = raw.get("rope_parameters")
     main = params.get("main") if isinstance(params, dict) else None
-    if main is not None and (not isinstance(main, dict) or set(main) - {"rope_type", "rope_theta", "partial_rotary_factor"}):
-        raise ConfigError(f"{source}: rope_parameters.main={main!r} must be a mapping of rope_type (default), rope_theta "
-                          "and partial_rotary_factor.")
+    known = {f.name for f in fields(RopeConfig)} | {"partial_rotary_factor"}
+    if main is not None and (not isinstance(main, dict) or set(main) - known):
+        raise ConfigError(f"{source}: rope_parameters.main={main!r} must be a mapping of RoPE fields ({sorted(known)}); "
+                          "the sliding layers use its rope_type (default) and rope_theta.")
     if isinstance(main, dict):
         if main.get("rope_type", "default") != "default":
             raise ConfigError(f"{source}: rope_parameters.main.rope_type={main['rope_type']!r} is not supported (default).")

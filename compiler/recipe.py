@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from deepinfer.models import QUANTIZED_WEIGHTS, model_config
-from deepinfer.models.moe import DEFAULT_CAPACITY
+from deepinfer.models.moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from deepinfer.runtime.errors import DeepinferError
 
 from . import recipe_yaml
@@ -32,7 +32,7 @@ class RecipeError(DeepinferError):
 @dataclass
 class Recipe:
     name: str
-    model: dict  # arch, checkpoint | config, seed, quantized_weights, expert_capacity
+    model: dict  # arch, checkpoint | config, seed, quantized_weights, expert_capacity, expert_overflow
     dtype: str
     parallel: dict  # world_size, tp, ep, hierarchical_allreduce, device_memory_gib (None: not checked)
     buckets: dict[str, list[int]]  # method -> sorted buckets
@@ -51,7 +51,8 @@ REQUIRED = object()
 SCHEMA = {
     "name": (str, REQUIRED),
     "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0),
-              "quantized_weights": (str, "keep"), "expert_capacity": (float, DEFAULT_CAPACITY)},
+              "quantized_weights": (str, "keep"), "expert_capacity": (float, DEFAULT_CAPACITY),
+              "expert_overflow": (str, "branch")},
     "dtype": (str, "float32"),
     "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0),
                  "device_memory_gib": (float, None)},
@@ -111,6 +112,10 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     if not 0 < model["expert_capacity"] <= 1024:
         fail("model.expert_capacity", f"{model['expert_capacity']} must be in (0, 1024]: the (token, expert) pairs an expert "
              "takes in a prompt chunk, in multiples of an even share (default 2; a step past it runs every expert).")
+    if model["expert_overflow"] not in OVERFLOW_FORMS:
+        fail("model.expert_overflow", f"{model['expert_overflow']!r}: choose branch (a prompt chunk's overflow passes run "
+             "when some expert needs them: torch.cond) or always (every pass runs: no control flow, for compilers that "
+             "take none, like StableHLO/PJRT and neuronx-cc).")
     if values["dtype"] not in ("float32", "bfloat16"):
         fail("dtype", f"{values['dtype']!r} is not supported; use float32 or bfloat16.")
     buckets = {method: _sizes(values["methods"][method]["buckets"], f"methods.{method}.buckets", fail) for method in METHODS}

@@ -25,7 +25,7 @@ from .deepseek_v3 import DeepseekV3
 from .deepseek_v3_config import TINY_CONFIG, ConfigError, DeepseekV3Config
 from .deepseek_v4 import DeepseekV4
 from .deepseek_v4_config import TINY_V4_CONFIG, DeepseekV4Config
-from .moe import DEFAULT_CAPACITY
+from .moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from .parallel import Layout, LayoutError
 from .quantization import BLOCK, FP4, FP4_GROUP, FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
 
@@ -82,12 +82,14 @@ def build_model(
     layout: Layout = Layout(),
     quantized_weights: str = "keep",
     expert_capacity: float = DEFAULT_CAPACITY,
+    expert_overflow: str = "branch",
 ) -> DeepseekV3 | DeepseekV4:
     """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
 
     A checkpoint with fp8 weights (quantization_config) keeps them fp8 (`quantized_weights`
     "keep": models/quantization.py) or is dequantized to `dtype` as it is read ("dequantize").
-    `expert_capacity`: the grouped routed experts' capacity (models/moe.py).
+    `expert_capacity`, `expert_overflow`: the grouped routed experts' capacity and overflow form
+    (models/moe.py).
 
     device="meta" or "fake" builds shapes only: nothing is allocated and no weights are read.
     "fake" gives FakeTensors on the CPU (from one FakeTensorMode, `model.embed.weight.fake_mode`),
@@ -101,7 +103,9 @@ def build_model(
         raise ConfigError(f"model.quantized_weights={quantized_weights!r}: choose one of {list(QUANTIZED_WEIGHTS)}.")
     if quantized_weights == "dequantize":
         cfg = replace(cfg, quantization=None)
-    cfg = replace(cfg, expert_capacity=expert_capacity)
+    if expert_overflow not in OVERFLOW_FORMS:
+        raise ConfigError(f"model.expert_overflow={expert_overflow!r}: choose one of {list(OVERFLOW_FORMS)}.")
+    cfg = replace(cfg, expert_capacity=expert_capacity, expert_overflow=expert_overflow)
     if layout.world_size > 1 and device == "cpu":
         raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
     with torch.device("meta"):

@@ -249,7 +249,8 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [N, k], [N, k]
         gate_up = expert_weights(self, "experts_gate_up", x.dtype, self.config.quantization)
         down = expert_weights(self, "experts_down", x.dtype, self.config.quantization)
-        routed = routed_experts(self, x, weights, ids, gate_up, down, swiglu, self.config.expert_capacity)
+        routed = routed_experts(self, x, weights, ids, gate_up, down, swiglu, self.config.expert_capacity,
+                                self.config.expert_overflow)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)  # [N, D]
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 

@@ -13,8 +13,8 @@ from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_
 
 
 # Fields read or derived otherwise than by name from an HF config (rope from rope_parameters,
-# quantization from quantization_config, expert_capacity from the recipe).
-NOT_HF_FIELDS = ("rope", "quantization", "expert_capacity")
+# quantization from quantization_config, expert_capacity and expert_overflow from the recipe).
+NOT_HF_FIELDS = ("rope", "quantization", "expert_capacity", "expert_overflow")
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,9 @@ class DeepseekV3Config:
     eos_token_id: int | None = 1
     rope: RopeConfig = field(default_factory=RopeConfig)
     quantization: Fp8Blocks | None = None  # the checkpoint's fp8 weights (models/quantization.py)
-    # Not a checkpoint field: the recipe's model.expert_capacity (models/moe.py).
+    # Not checkpoint fields: the recipe's model.expert_capacity and expert_overflow (models/moe.py).
     expert_capacity: float = DEFAULT_CAPACITY
+    expert_overflow: str = "branch"
 
     @property
     def qk_head_dim(self) -> int:

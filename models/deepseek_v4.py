@@ -347,7 +347,8 @@ class MoE(nn.Module):
         activation = partial(clamped_swiglu, limit=self.limit)
         q = self.config.quantization
         w13, w2 = expert_weights(self, "experts_w13", x.dtype, q), expert_weights(self, "experts_w2", x.dtype, q)
-        routed = routed_experts(self, x, weights, ids, w13, w2, activation, self.config.expert_capacity)
+        routed = routed_experts(self, x, weights, ids, w13, w2, activation, self.config.expert_capacity,
+                                self.config.expert_overflow)
         out = routed + self.shared_experts(x) * self.shared_scale.to(x.dtype)
         return torch.ops.deepinfer.all_reduce(out, "world") if self.layout.world_size > 1 else out
 

@@ -31,7 +31,10 @@ shapes; at the power-of-two batch buckets recipes use, pairs <= E picks the fast
 C = ceil(capacity * N * k / n_routed_experts), `capacity` times an even share of the pairs. An
 expert routed more than C pairs in a step is exact all the same: its later pairs go to further
 grouped passes, places [C, 2C), [2C, 4C) and [4C, N), each run only when some expert reaches
-it (`torch.cond`), so uneven routing costs a pass or two more, not the dense form. The
+it (`torch.cond`), so uneven routing costs a pass or two more, not the dense form. For
+compilers that take no control flow (StableHLO through torch-mlir, neuronx-cc), the recipe's
+`model.expert_overflow: always` runs every pass unconditionally instead: the same sums, static,
+at the cost of the passes' FLOPs on every prompt chunk. The
 ranks of a multi-rank bundle may run different passes in one step — no pass holds a collective
 (the MoE's all-reduce comes after), so nothing can deadlock; each rank's partial sum is exact.
 """
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 # Places per expert in the first grouped pass, in multiples of an even share; an expert routed
 # more takes further passes (bench/moe_bench.py counts them).
 DEFAULT_CAPACITY = 2.0
+OVERFLOW_FORMS = ("branch", "always")  # the overflow passes: run when needed (torch.cond), or always
 GROUPED_FROM_ROWS = 32  # (measured: see the module docstring)
 
 
@@ -52,7 +56,8 @@ def expert_capacity(rows: int, k: int, n_routed_experts: int, capacity: float) -
     return min(rows, math.ceil(capacity * rows * k / n_routed_experts))
 
 
-def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: float = DEFAULT_CAPACITY):
+def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: float = DEFAULT_CAPACITY,
+                   overflow: str = "branch"):
     """The routed experts' sum [N, D] for x [N, D], routing weights and global expert ids [N, k];
     stacked weights gate_up [E_local, 2I, D] (gate rows, then up rows) and down [E_local, D, I],
     given as pick(ids) functions (models/quantization.expert_weights).
@@ -82,7 +87,10 @@ def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: fl
     passes = grouped_passes(C, N)
     out = grouped_pass(*passes[0])(x, weights, expert, place)
     for start, size in passes[1:]:
-        out = out + torch.cond(busiest > start, grouped_pass(start, size), skipped, (x, weights, expert, place))
+        if overflow == "always":
+            out = out + grouped_pass(start, size)(x, weights, expert, place)
+        else:
+            out = out + torch.cond(busiest > start, grouped_pass(start, size), skipped, (x, weights, expert, place))
     return out
 
 

@@ -57,3 +57,9 @@ def cache_dir() -> Path:
     if os.environ.get("DEEPINFER_CACHE_DIR"):
         return Path(os.environ["DEEPINFER_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"
+
+
+def pjrt_recompile() -> bool:
+    """DEEPINFER_PJRT_RECOMPILE=1: a pjrt region compiled for another plugin version is compiled
+    here from the bundle's StableHLO at load (instead of refused)."""
+    return _flag("DEEPINFER_PJRT_RECOMPILE")

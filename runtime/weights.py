@@ -19,35 +19,44 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 MAX_HEADER = 100 << 20
 
 
-def tensors_of(buffer: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
-    """buffer: uint8 [file bytes] -> {name: tensor viewing it}."""
-    def bad(what: str):
-        raise BundleError(f"{where}: not a readable safetensors file ({what}). Recompile the bundle.")
+def _refuse(where: str, what: str):
+    raise BundleError(f"{where}: not a readable safetensors file ({what}). Recompile the bundle.")
 
+
+def header_of(buffer: torch.Tensor, where: str) -> dict:
+    """The JSON header of a safetensors file in `buffer` (uint8)."""
     if buffer.numel() < 8:
-        bad("shorter than its header")
+        _refuse(where, "shorter than its header")
     length = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
     if not 2 <= length <= min(MAX_HEADER, buffer.numel() - 8):
-        bad(f"a header of {length} bytes")
+        _refuse(where, f"a header of {length} bytes")
     try:
         header = json.loads(buffer[8 : 8 + length].numpy().tobytes())
     except (ValueError, RecursionError):
-        bad("its header is not JSON")
+        _refuse(where, "its header is not JSON")
     if not isinstance(header, dict):
-        bad("its header is not an object")
+        _refuse(where, "its header is not an object")
+    return header
+
+
+def tensors_of(buffer: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
+    """buffer: uint8 [file bytes] -> {name: tensor viewing it}."""
+    header = header_of(buffer, where)
+    length = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
     data = buffer[8 + length :]
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"} or entry["dtype"] not in DTYPES:
-            bad(f"tensor {name!r} is described by {str(entry)[:80]}")
+        if (not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}
+                or not isinstance(entry["dtype"], str) or entry["dtype"] not in DTYPES):
+            _refuse(where, f"tensor {name!r} is described by {str(entry)[:80]}")
         dtype, shape, offsets = DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
         if (not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
                 or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= data.numel()
                 or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize):
-            bad(f"tensor {name!r} has shape {shape} and offsets {offsets} that do not fit its {data.numel()} data bytes")
+            _refuse(where, f"tensor {name!r} has shape {shape} and offsets {offsets} that do not fit its {data.numel()} data bytes")
         raw = data[offsets[0] : offsets[1]]
         if raw.storage_offset() % dtype.itemsize:  # a file not laid out by safetensors' writer: copy to align
             raw = raw.clone()

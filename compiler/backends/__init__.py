@@ -18,12 +18,13 @@ The contract every backend module keeps, so the compile worker can drive any of 
                                        how the bundle stores a weight for this backend's hardware
                                        (neuron: fp8 re-encoded for trn2), applied as weights are written
 
-Each has a loader of the same name under runtime/backends/ (`load(path) -> callable`).
+Each has a loader of the same name under runtime/backends/ (`load(data, region, where) -> callable`,
+and `NATIVE_CODE`: whether its artifacts are machine code).
 """
 
 import importlib
 
-BACKENDS = ("export", "inductor", "neuron")
+BACKENDS = ("export", "inductor", "neuron", "pjrt")
 
 
 def backend_module(name: str):

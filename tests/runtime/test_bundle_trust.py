@@ -149,7 +149,7 @@ def test_a_deeply_nested_region_is_refused(bundle):
 @pytest.mark.parametrize("backend", ["neuron|__init__", "__init__", "../export", "no_such_backend"])
 def test_an_unknown_backend_is_refused(bundle, backend):
     edit_manifest(bundle, lambda body: [r.update(backend=backend) for r in body["regions"].values()])
-    with pytest.raises(BundleError, match=r"backend .* is not one this runtime loads \(export, inductor, neuron\)"):
+    with pytest.raises(BundleError, match=r"backend .* is not one this runtime loads \(export, inductor, neuron, pjrt\)"):
         BundleExecutor(bundle)
 
 

@@ -1,0 +1,79 @@
+"""PJRT executables (`.pjrt`): a region's StableHLO compiled ahead of time by a PJRT plugin --
+jaxlib's XLA CPU client here, Neuron's libneuronxla on Trainium, jax's CUDA plugin on NVIDIA
+GPUs: one runtime, another plugin (the `xla` extra: jax and jaxlib).
+
+The file is safetensors (data: nothing in it is unpickled): tensor `executable`, the serialized
+executable (machine code for its platform: a native region); tensor `stablehlo`, the portable
+program text any PJRT platform can compile again; metadata `platform`, `platform_version` (the
+plugin's), `mutated_inputs` (JSON: the input index of each leading output, the state a region
+updates). An executable for another platform or plugin version is refused, or with
+DEEPINFER_PJRT_RECOMPILE=1 compiled here from the StableHLO.
+
+Tensors cross between torch and PJRT by DLPack, without copies where the layout allows
+(contiguous CPU tensors). XLA programs are functional: a region that updates state returns the
+new state, written back into the pool with one copy per updated tensor per call (see README:
+the cost, and what aliasing would take)."""
+
+import json
+
+import torch
+
+from .. import knobs
+from ..errors import BundleError
+from ..weights import header_of, tensors_of
+
+NATIVE_CODE = True
+
+
+def pjrt_client(platform: str):
+    """The PJRT client of `platform` (cpu, neuron, cuda): jax finds installed plugins
+    (libneuronxla registers itself as one)."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # our regions take int64 positions and ids
+    try:
+        return jax.devices(platform)[0].client
+    except RuntimeError as err:
+        raise BundleError(f"no PJRT plugin for platform {platform!r} on this host ({str(err).splitlines()[0]}); "
+                          "install it (Trainium: libneuronxla from AWS's Neuron repository), or recompile the "
+                          "bundle for a platform this host has.") from None
+
+
+def compile_stablehlo(client, text: str):
+    from jax._src.lib import xla_client
+
+    return client.compile_and_load(text, client.devices()[:1], xla_client.CompileOptions())
+
+
+def load(data: bytes, region, where: str):
+    import jax
+    from jax._src.lib import xla_client
+
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    meta = header_of(buffer, where).get("__metadata__") or {}
+    parts = tensors_of(buffer, where)
+    try:
+        platform, version, mutated = meta["platform"], meta["platform_version"], json.loads(meta["mutated_inputs"])
+        executable, stablehlo = parts["executable"].numpy().tobytes(), parts["stablehlo"].numpy().tobytes().decode()
+    except (KeyError, ValueError, UnicodeDecodeError):
+        raise BundleError(f"{where}: not a PJRT region file (metadata {sorted(meta)}). Recompile the bundle.") from None
+    if not (isinstance(mutated, list) and all(type(i) is int and 0 <= i < len(region.inputs) for i in mutated)):
+        raise BundleError(f"{where}: mutated_inputs {mutated!r} does not fit the region's inputs. Recompile the bundle.")
+    client = pjrt_client(platform)
+    if client.platform_version != version:
+        if not knobs.pjrt_recompile():
+            raise BundleError(f"{where}: compiled for PJRT platform {platform!r} version {version!r}, but this host's "
+                              f"plugin is {client.platform_version!r}. Set DEEPINFER_PJRT_RECOMPILE=1 to compile the "
+                              "bundle's StableHLO here at load, or recompile the bundle on a host like this one.")
+        program = compile_stablehlo(client, stablehlo)
+    else:
+        program = client.deserialize_executable(executable, client.devices()[:1], xla_client.CompileOptions())
+    n_mutated = len(mutated)
+
+    def call(*args):
+        outputs = program.execute([jax.dlpack.from_dlpack(a if a.is_contiguous() else a.contiguous()) for a in args])
+        for index, new in zip(mutated, outputs):
+            args[index].copy_(torch.from_dlpack(new))  # the state's new value, into the pool
+        return tuple(torch.from_dlpack(out) for out in outputs[n_mutated:])
+
+    return call

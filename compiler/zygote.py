@@ -119,8 +119,29 @@ def _serve():
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 request = json.loads(line)
+                _preload(request["argv"])
                 pid = _fork(worker.main, request["argv"], request["log"], closing=(answers, wakeup_r, wakeup_w))
                 _say(answers, {"id": request["id"], "pid": pid})
+
+
+def _preload(argv: list[str]):
+    """Import the job's backend and the modules it names in PRELOAD (heavy, thread-free imports:
+    torch-mlir and jax for pjrt, ~1.6 s) once here, so every worker forks with them loaded."""
+    import importlib
+
+    backend = argv[argv.index("--backend") + 1] if "--backend" in argv else None
+    if backend is None or backend in _preloaded:
+        return
+    _preloaded.add(backend)
+    try:
+        module = importlib.import_module(f"deepinfer.compiler.backends.{backend}")
+        for name in getattr(module, "PRELOAD", ()):
+            importlib.import_module(name)
+    except ImportError:
+        pass  # (the worker reports it)
+
+
+_preloaded: set[str] = set()
 
 
 def _fork(main, argv: list[str], log: str, closing: tuple[int, ...]) -> int:

@@ -52,7 +52,7 @@ def test_mutated_regions_load_or_fail_cleanly(region, tmp_path):
     all_paths = list(paths(program))
     actions = st.sampled_from(["set", "set", "set", "delete"]) | st.sampled_from(["as_expr", "extra", "as_sym_int"]).map(lambda k: "add:" + k)
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.tuples(st.sampled_from(all_paths), actions, values(marker)), min_size=1, max_size=3))
     def check(edits):
         data = json.dumps(apply_edits(program, edits)).encode()

@@ -148,7 +148,7 @@ def test_mutated_request_bodies_get_an_answer_never_a_500(server):
     values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=2),
                           max_leaves=4)
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(sorted(bases)), st.data())
     def check(endpoint, data):
         base = bases[endpoint]

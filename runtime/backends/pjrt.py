@@ -9,10 +9,13 @@ plugin's), `mutated_inputs` (JSON: the input index of each leading output, the s
 updates). An executable for another platform or plugin version is refused, or with
 DEEPINFER_PJRT_RECOMPILE=1 compiled here from the StableHLO.
 
-Tensors cross between torch and PJRT by DLPack, without copies where the layout allows
-(contiguous CPU tensors). XLA programs are functional: a region that updates state returns the
-new state, written back into the pool with one copy per updated tensor per call (see README:
-the cost, and what aliasing would take)."""
+Tensors cross between torch and PJRT by DLPack, without copies where XLA can use the memory as
+it is (contiguous, 64-byte aligned: activations, step inputs, the state pool). A tensor it cannot
+(most weights: views into the verified weight file at 4-byte offsets) is copied once and the copy
+kept while the tensor is unchanged, as an accelerator keeps weights in device memory. XLA
+programs are functional: a region that updates state returns the new state, written back into
+the pool with one copy per updated tensor per call (see README: the cost, and what aliasing
+would take)."""
 
 import json
 
@@ -69,11 +72,34 @@ def load(data: bytes, region, where: str):
     else:
         program = client.deserialize_executable(executable, client.devices()[:1], xla_client.CompileOptions())
     n_mutated = len(mutated)
+    to_pjrt = _Arguments()
 
     def call(*args):
-        outputs = program.execute([jax.dlpack.from_dlpack(a if a.is_contiguous() else a.contiguous()) for a in args])
+        outputs = program.execute([to_pjrt(a) for a in args])
         for index, new in zip(mutated, outputs):
             args[index].copy_(torch.from_dlpack(new))  # the state's new value, into the pool
         return tuple(torch.from_dlpack(out) for out in outputs[n_mutated:])
 
     return call
+
+
+class _Arguments:
+    """torch tensor -> PJRT array: in place where XLA can use the memory, else a copy, kept (by
+    the tensor's identity and version) and reused while the tensor has not changed."""
+
+    ALIGNMENT = 64  # XLA's CPU client takes memory in place only at this alignment
+
+    def __init__(self):
+        self.copies: dict[int, tuple] = {}  # id(tensor) -> (tensor, version, array)
+
+    def __call__(self, tensor: torch.Tensor):
+        import jax
+
+        if tensor.is_contiguous() and tensor.data_ptr() % self.ALIGNMENT == 0:
+            return jax.dlpack.from_dlpack(tensor)
+        kept = self.copies.get(id(tensor))
+        if kept is not None and kept[0] is tensor and kept[1] == tensor._version:
+            return kept[2]
+        array = jax.dlpack.from_dlpack(tensor.clone(memory_format=torch.contiguous_format))  # (a fresh, aligned block)
+        self.copies[id(tensor)] = (tensor, tensor._version, array)
+        return array

@@ -19,29 +19,33 @@ from .errors import BundleError
 CHUNK = 1 << 20
 
 
-def _open_regular(path: Path, max_bytes: int, follow_symlinks: bool) -> tuple[int, int]:
-    """(descriptor, size) of a regular file of at most `max_bytes`; raises BundleError otherwise."""
+BUNDLE_ADVICE = "A bundle holds its own regular files: copy the bundle directory again, or recompile it."
+
+
+def _open_regular(path: Path, max_bytes: int, follow_symlinks: bool, advice: str = BUNDLE_ADVICE) -> tuple[int, int]:
+    """(descriptor, size) of a regular file of at most `max_bytes`; raises BundleError (ending
+    with `advice`) otherwise."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
     except OSError as err:
         what = "a symlink (a bundle holds its own files)" if err.errno == 40 else err.strerror  # ELOOP
-        raise BundleError(f"{path}: cannot be read ({what}).") from None
+        raise BundleError(f"{path}: cannot be read ({what}). {advice}") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
         os.close(fd)
         what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes, over the {max_bytes} expected"
-        raise BundleError(f"{path}: {what}.")
+        raise BundleError(f"{path}: {what}. {advice}")
     return fd, info.st_size
 
 
-def read_regular(path: Path, max_bytes: int, follow_symlinks: bool = False) -> bytes:
+def read_regular(path: Path, max_bytes: int, follow_symlinks: bool = False, advice: str = BUNDLE_ADVICE) -> bytes:
     """The whole file, if it is a regular file of at most `max_bytes`."""
-    fd, size = _open_regular(path, max_bytes, follow_symlinks)
+    fd, size = _open_regular(path, max_bytes, follow_symlinks, advice)
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:  # grew after the fstat
-        raise BundleError(f"{path}: over the {max_bytes} bytes expected.")
+        raise BundleError(f"{path}: over the {max_bytes} bytes expected. {advice}")
     return data
 
 

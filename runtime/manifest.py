@@ -286,11 +286,8 @@ def read_key(path: str | Path) -> bytes:
     """A deploy key for signing (`--sign-key`) or verifying (`--verify-key`): the file's bytes,
     surrounding whitespace stripped; at least 16 bytes (e.g. `openssl rand -hex 32 > deploy.key`).
     A symlink to the key is fine (Kubernetes mounts secrets so); a FIFO or a device is not."""
-    try:
-        key = read_regular(Path(path), MAX_KEY_BYTES, follow_symlinks=True).strip()
-    except BundleError as err:
-        raise BundleError(f"{err} A deploy key is a small regular file; make one with "
-                          f"`openssl rand -hex 32 > {path}`.") from None
+    key = read_regular(Path(path), MAX_KEY_BYTES, follow_symlinks=True,
+                       advice=f"A deploy key is a small regular file; make one with `openssl rand -hex 32 > {path}`.").strip()
     if len(key) < 16:
         raise BundleError(f"{path}: a deploy key needs at least 16 bytes; make one with `openssl rand -hex 32 > {path}`.")
     return key

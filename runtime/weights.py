@@ -23,8 +23,8 @@ def _refuse(where: str, what: str):
     raise BundleError(f"{where}: not a readable safetensors file ({what}). Recompile the bundle.")
 
 
-def header_of(buffer: torch.Tensor, where: str) -> dict:
-    """The JSON header of a safetensors file in `buffer` (uint8)."""
+def header_of(buffer: torch.Tensor, where: str) -> tuple[dict, torch.Tensor]:
+    """(the JSON header, the data bytes after it) of a safetensors file in `buffer` (uint8)."""
     if buffer.numel() < 8:
         _refuse(where, "shorter than its header")
     length = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
@@ -36,14 +36,12 @@ def header_of(buffer: torch.Tensor, where: str) -> dict:
         _refuse(where, "its header is not JSON")
     if not isinstance(header, dict):
         _refuse(where, "its header is not an object")
-    return header
+    return header, buffer[8 + length :]
 
 
 def tensors_of(buffer: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
     """buffer: uint8 [file bytes] -> {name: tensor viewing it}."""
-    header = header_of(buffer, where)
-    length = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
-    data = buffer[8 + length :]
+    header, data = header_of(buffer, where)
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":

@@ -19,7 +19,9 @@ would take)."""
 
 import json
 
+import jax
 import torch
+from jax._src.lib import xla_client
 
 from .. import knobs
 from ..errors import BundleError
@@ -31,8 +33,6 @@ NATIVE_CODE = True
 def pjrt_client(platform: str):
     """The PJRT client of `platform` (cpu, neuron, cuda): jax finds installed plugins
     (libneuronxla registers itself as one)."""
-    import jax
-
     jax.config.update("jax_enable_x64", True)  # our regions take int64 positions and ids
     try:
         return jax.devices(platform)[0].client
@@ -43,17 +43,12 @@ def pjrt_client(platform: str):
 
 
 def compile_stablehlo(client, text: str):
-    from jax._src.lib import xla_client
-
     return client.compile_and_load(text, client.devices()[:1], xla_client.CompileOptions())
 
 
 def load(data: bytes, region, where: str):
-    import jax
-    from jax._src.lib import xla_client
-
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    meta = header_of(buffer, where).get("__metadata__") or {}
+    meta = header_of(buffer, where)[0].get("__metadata__") or {}
     parts = tensors_of(buffer, where)
     try:
         platform, version, mutated = meta["platform"], meta["platform_version"], json.loads(meta["mutated_inputs"])
@@ -93,8 +88,6 @@ class _Arguments:
         self.copies: dict[int, tuple] = {}  # id(tensor) -> (tensor, version, array)
 
     def __call__(self, tensor: torch.Tensor):
-        import jax
-
         if tensor.is_contiguous() and tensor.data_ptr() % self.ALIGNMENT == 0:
             return jax.dlpack.from_dlpack(tensor)
         kept = self.copies.get(id(tensor))

@@ -102,7 +102,7 @@ def plan(recipe: Recipe, check_weights: bool = True) -> Plan:
              for layer in model.state_specs(recipe.kv["max_seqs"], recipe.kv["max_len"])]
     _check_state_pool(recipe, state)
     backend = backend_module(recipe.backend)
-    toolchain = {**toolchain_versions(), **({} if backend.unavailable() else backend.versions())}  # (only a plan)
+    toolchain = {**toolchain_versions(), **({} if backend.unavailable(recipe.backend_options) else backend.versions())}  # (only a plan)
     options = backend.options(recipe.backend_options)
     programs, units = trace.trace_programs(model, recipe.buckets, recipe.contexts, recipe.kv["max_seqs"], recipe.kv["max_len"],
                                            recipe.split_layers)

@@ -59,7 +59,7 @@ def main():
 @main.command(context_settings=HELP)
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), help="bundle directory (default: the recipe's output)")
-@click.option("--backend", help="override backend.name: export | inductor | neuron")
+@click.option("--backend", help="override backend.name: export | inductor | pjrt | neuron")
 @click.option("--jobs", default=2, show_default=True, type=click.IntRange(1, 256), help="regions compiled in parallel")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="compile cache (default: DEEPINFER_CACHE_DIR or ~/.cache/deepinfer)")
 @click.option("--timeout", default=900.0, show_default=True, type=click.FloatRange(0, min_open=True),

@@ -147,7 +147,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
             fail(f"regions.boundaries[{i}]", "a boundary is {op: OP_PREFIX, module: MODULE_GLOB (optional)}, both strings, "
                  "e.g. {op: aten.topk, module: 'layers.*.mlp.gate'}.")
     backend_name = backend or values["backend"]["name"]
-    _check_backend(backend_name, backend_installed, lambda message: fail("backend.name", message))
+    _check_backend(backend_name, values["backend"]["options"], backend_installed, lambda message: fail("backend.name", message))
     problem = options_problem(backend_name, values["backend"]["options"])
     if problem:
         fail("backend.options", problem)
@@ -204,10 +204,10 @@ def _contexts(sizes: list[int], max_len: int, key: str, fail) -> list[int]:
     return sizes if sizes[-1] == max_len else sizes + [max_len]
 
 
-def _check_backend(name: str, installed: bool, fail):
+def _check_backend(name: str, options, installed: bool, fail):
     if name not in BACKENDS:
         fail(f"unknown backend {name!r}; choose one of {list(BACKENDS)}.")
-    problem = installed and backend_module(name).unavailable()
+    problem = installed and backend_module(name).unavailable(options if isinstance(options, dict) else {})
     if problem:
         fail(f"backend {name!r} is not available here: {problem}")
 

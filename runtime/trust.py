@@ -2,7 +2,7 @@
 deepinfer-serve and handed on to every follower rank:
 
     --verify-key FILE        refuse the bundle unless its signature (deepinfer-compile --sign-key) matches
-    --native-regions refuse  refuse a bundle whose regions carry machine code (inductor, neuron):
+    --native-regions refuse  refuse a bundle whose regions carry machine code (inductor, pjrt, neuron):
                              the bundle must be data (export regions), whatever its manifest says
 """
 

@@ -5,7 +5,8 @@ The contract every backend module keeps, so the compile worker can drive any of 
     EXTENSION: str                     file suffix of its artifacts under regions/
     IN_PROCESS: bool (optional)        it only serializes: compile in the compiler's process, no worker
     PRELOAD: tuple (optional)          modules the workers' fork server imports once (heavy, thread-free)
-    unavailable() -> str | None        why it cannot run here (a missing package), or None
+    unavailable(options) -> str | None why it cannot run here with these (the recipe's) options:
+                                       a missing package, or None
     versions() -> dict                 toolchain versions its artifacts are tied to (cache + manifest)
     options(user: dict) -> dict        the options it will really use (its defaults merged in); these,
                                        not the recipe's, go into fingerprints, so changed defaults miss the cache

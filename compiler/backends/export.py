@@ -9,7 +9,7 @@ EXTENSION = "ep.json"
 IN_PROCESS = True  # serialization only: nothing that can crash or hang, so no worker process
 
 
-def unavailable():
+def unavailable(options: dict):
     return None
 
 

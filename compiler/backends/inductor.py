@@ -35,7 +35,7 @@ DEFAULTS = {
 }
 
 
-def unavailable():
+def unavailable(options: dict):
     return None
 
 

@@ -8,9 +8,10 @@ The artifact (runtime/backends/pjrt.py) keeps the serialized executable with the
 plugin version it was compiled for, and the StableHLO, which any PJRT platform can compile again.
 
 Static-graph discipline: what cannot lower fails here, at compile time, by region, naming the op
-(`deepinfer-compile bisect` then names its module) -- never at run time. Two forms torch-mlir's StableHLO lowering lacks are
-rewritten to equivalents it has (`topk(sorted=False)`, whose order is unspecified, as a sorted
-one; `one_hot` as a comparison with `arange`); `torch.cond` (the MoE's overflow passes) has no
+(`deepinfer-compile bisect` then names its module) -- never at run time. Forms torch-mlir's
+StableHLO lowering lacks or gets wrong are rewritten to equivalents (REWRITES: `topk(sorted=False)`,
+whose order is unspecified, as a sorted one; `one_hot` as a comparison with `arange`; Python's
+remainder; right shifts as floor division; unsigned compares widened); `torch.cond` (the MoE's overflow passes) has no
 lowering, and the recipe chooses the form without it (`model.expert_overflow: always`)."""
 
 import hashlib
@@ -34,7 +35,7 @@ class LoweringError(RuntimeError):
     compile report quotes the last line of the worker's log)."""
 
 
-def unavailable():
+def unavailable(options: dict):
     missing = [name for name in ("torch_mlir", "jax", "jaxlib") if find_spec(name) is None]
     if missing:
         return f"{' and '.join(missing)} not installed: pip install 'deepinfer[xla]' (torch-mlir, jax and jaxlib)."
@@ -76,8 +77,33 @@ def _remainder(x, other):
     return x - torch.div(x, other, rounding_mode="floor") * other
 
 
+def _right_shift(x, bits):
+    """x >> bits as floor division by 2 ** bits (the same for signed and unsigned integers):
+    torch-mlir has no StableHLO lowering for shifts (V4's fp4 experts unpack two codes a byte)."""
+    return torch.div(x, 1 << bits, rounding_mode="floor")
+
+
+UNSIGNED = (torch.uint8, torch.uint16, torch.uint32)
+
+
+def _widened(compare):
+    """`compare` of unsigned integers made on them widened to int64: torch-mlir emits StableHLO
+    compares of unsigned operands as SIGNED, which XLA's verifier refuses (V4's e8m0 scales: byte
+    255 is NaN). Other operands: NotImplemented, so the op stays as it is."""
+    def widened(x, other):
+        unsigned = [isinstance(v, torch.Tensor) and v.dtype in UNSIGNED for v in (x, other)]
+        if not any(unsigned):
+            return NotImplemented
+        return compare(*(v.to(torch.int64) if u else v for v, u in zip((x, other), unsigned)))
+    return widened
+
+
+COMPARISONS = [getattr(getattr(torch.ops.aten, name), form)
+               for name in ("eq", "ne", "lt", "le", "gt", "ge") for form in ("Scalar", "Tensor")]
 REWRITES = {torch.ops.aten.topk.default: _sorted_topk, torch.ops.aten.one_hot.default: _one_hot,
-            torch.ops.aten.remainder.Scalar: _remainder, torch.ops.aten.remainder.Tensor: _remainder}
+            torch.ops.aten.remainder.Scalar: _remainder, torch.ops.aten.remainder.Tensor: _remainder,
+            torch.ops.aten.__rshift__.Scalar: _right_shift, torch.ops.aten.bitwise_right_shift.Tensor_Scalar: _right_shift,
+            **{op: _widened(op) for op in COMPARISONS}}
 
 
 def compile(program, options: dict, out):
@@ -122,18 +148,17 @@ def _mutated_inputs(program) -> list[int]:
 
 
 def _what_does_not_lower(program, err: Exception) -> str:
-    """Each distinct op of the region lowered on its own, to name the ones that fail."""
+    """Each distinct op of the region lowered on its own (its first use: seconds, where every
+    use of every op took minutes on a V4 layer), to name the ones that fail."""
     from torch_mlir import fx
 
     failing, tried = [], set()
     for node in program.graph.nodes:
         if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
-                or not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list))):  # (checks: no value of their own)
+                or not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list))  # (checks: no value of their own)
+                or node.target in tried):
             continue
-        key = (node.target, str(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: tuple(n.meta["val"].shape))))
-        if key in tried:
-            continue
-        tried.add(key)
+        tried.add(node.target)
         inputs = node.all_input_nodes
         try:
             fx.export_and_import(_OneOp(node), *[torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype) for n in inputs],

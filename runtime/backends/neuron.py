@@ -1,25 +1,6 @@
-"""NEFFs traced by torch-neuronx (TorchScript wrappers, native code); needs the Neuron runtime on the host."""
+"""Neuron regions: `.pjrt` files compiled by Neuron's PJRT plugin (libneuronxla) -- loaded exactly
+as the pjrt backend's (runtime/backends/pjrt.py): the executable for this host's plugin, tensors
+by host-to-device copies (Neuron has no DLPack), weights crossing once. A host without the
+plugin refuses the bundle, naming it."""
 
-import torch
-
-from ..errors import BundleError
-from . import private_copy
-
-NATIVE_CODE = True
-
-
-def load(data: bytes, region, where: str):
-    try:
-        import torch_neuronx  # noqa: F401  (registers the Neuron ops TorchScript needs)
-    except ImportError:
-        raise BundleError(f"{where}: a Neuron region needs torch-neuronx and the Neuron runtime, which this host "
-                          "lacks; run the bundle on a Trainium or Inferentia host.") from None
-
-    with private_copy(data, ".pt") as path:
-        module = torch.jit.load(str(path))
-
-    def call(*args):
-        out = module(*args)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-    return call
+from .pjrt import NATIVE_CODE, load  # noqa: F401  (the loader contract)

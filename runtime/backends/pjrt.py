@@ -9,10 +9,12 @@ plugin's), `mutated_inputs` (JSON: the input index of each leading output, the s
 updates). An executable for another platform or plugin version is refused, or with
 DEEPINFER_PJRT_RECOMPILE=1 compiled here from the StableHLO.
 
-Tensors cross between torch and PJRT by DLPack, without copies where XLA can use the memory as
-it is (contiguous, 64-byte aligned: activations, step inputs, the state pool). A tensor it cannot
-(most weights: views into the verified weight file at 4-byte offsets) is copied once and the copy
-kept while the tensor is unchanged, as an accelerator keeps weights in device memory. XLA
+On the CPU, tensors cross between torch and PJRT by DLPack, without copies where XLA can use the
+memory as it is (contiguous, 64-byte aligned: activations, step inputs, the state pool). A tensor
+it cannot (most weights: views into the verified weight file at 4-byte offsets) is copied once
+and the copy kept while the tensor is unchanged, as an accelerator keeps weights in device
+memory. A device platform (Neuron has no DLPack) takes every tensor by a host-to-device copy,
+likewise kept while unchanged (weights cross once), and gives outputs back by a copy. XLA
 programs are functional: a region that updates state returns the new state, written back into
 the pool with one copy per updated tensor per call (see README: the cost, and what aliasing
 would take)."""
@@ -20,6 +22,8 @@ would take)."""
 import json
 
 import jax
+import ml_dtypes
+import numpy as np
 import torch
 from jax._src.lib import xla_client
 
@@ -67,32 +71,64 @@ def load(data: bytes, region, where: str):
     else:
         program = client.deserialize_executable(executable, client.devices()[:1], xla_client.CompileOptions())
     n_mutated = len(mutated)
-    to_pjrt = _Arguments()
+    by_dlpack = platform in DLPACK_PLATFORMS
+    to_pjrt = _Arguments(None if by_dlpack else client.devices()[0])
+    to_torch = torch.from_dlpack if by_dlpack else _from_host
 
     def call(*args):
         outputs = program.execute([to_pjrt(a) for a in args])
         for index, new in zip(mutated, outputs):
-            args[index].copy_(torch.from_dlpack(new))  # the state's new value, into the pool
-        return tuple(torch.from_dlpack(out) for out in outputs[n_mutated:])
+            args[index].copy_(to_torch(new))  # the state's new value, into the pool
+        return tuple(to_torch(out) for out in outputs[n_mutated:])
 
     return call
 
 
+DLPACK_PLATFORMS = ("cpu",)  # where torch's CPU tensors and PJRT arrays can share memory
+
+
 class _Arguments:
-    """torch tensor -> PJRT array: in place where XLA can use the memory, else a copy, kept (by
-    the tensor's identity and version) and reused while the tensor has not changed."""
+    """torch tensor -> PJRT array: on the CPU in place where XLA can use the memory; else a copy
+    (to `device`, when given), kept by the tensor's identity and version and reused while the
+    tensor has not changed."""
 
     ALIGNMENT = 64  # XLA's CPU client takes memory in place only at this alignment
 
-    def __init__(self):
+    def __init__(self, device):
+        self.device = device
         self.copies: dict[int, tuple] = {}  # id(tensor) -> (tensor, version, array)
 
     def __call__(self, tensor: torch.Tensor):
-        if tensor.is_contiguous() and tensor.data_ptr() % self.ALIGNMENT == 0:
+        if self.device is None and tensor.is_contiguous() and tensor.data_ptr() % self.ALIGNMENT == 0:
             return jax.dlpack.from_dlpack(tensor)
         kept = self.copies.get(id(tensor))
         if kept is not None and kept[0] is tensor and kept[1] == tensor._version:
             return kept[2]
-        array = jax.dlpack.from_dlpack(tensor.clone(memory_format=torch.contiguous_format))  # (a fresh, aligned block)
+        if self.device is None:
+            array = jax.dlpack.from_dlpack(tensor.clone(memory_format=torch.contiguous_format))  # (a fresh, aligned block)
+        else:
+            array = jax.device_put(_to_host(tensor), self.device)
         self.copies[id(tensor)] = (tensor, tensor._version, array)
         return array
+
+
+# torch dtypes numpy lacks, carried as same-width integers: dtype -> (torch carrier, numpy carrier, ml_dtypes')
+_CARRIED = {torch.bfloat16: (torch.uint16, np.uint16, ml_dtypes.bfloat16),
+            torch.float8_e4m3fn: (torch.uint8, np.uint8, ml_dtypes.float8_e4m3fn)}
+_TORCH_OF = {np.dtype(ml_dtype): (np_carrier, dtype) for dtype, (_, np_carrier, ml_dtype) in _CARRIED.items()}
+
+
+def _to_host(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.contiguous()
+    if tensor.dtype in _CARRIED:
+        carrier, _, ml_dtype = _CARRIED[tensor.dtype]
+        return tensor.view(carrier).numpy().view(ml_dtype)
+    return tensor.numpy()
+
+
+def _from_host(array) -> torch.Tensor:
+    host = np.array(array)  # (the device-to-host copy; writable, as torch wants)
+    if host.dtype in _TORCH_OF:
+        np_carrier, dtype = _TORCH_OF[host.dtype]
+        return torch.from_numpy(host.view(np_carrier)).view(dtype)
+    return torch.from_numpy(host)

@@ -1,7 +1,9 @@
 """The pjrt backend: regions lowered to StableHLO by torch-mlir and compiled by jaxlib's PJRT CPU
 client give the export bundle's greedy tokens; what does not lower is refused at compile time,
 naming the op and its module; an executable for another plugin version is refused at load, or
-compiled again from the bundle's StableHLO when asked."""
+compiled again from the bundle's StableHLO when asked. (DeepSeek-V4 through pjrt, its fp4 experts
+and world size 2: tests/models/test_fp4_checkpoint.py; kept fp8 at world size 2:
+tests/models/test_fp8_checkpoint.py.)"""
 
 import json
 import shutil
@@ -57,36 +59,45 @@ def test_a_region_that_does_not_lower_is_refused_at_compile_naming_the_op(tmp_pa
     assert not (tmp_path / "bundles" / "tiny-cond").exists()
 
 
-def test_an_executable_for_another_plugin_version_is_refused_or_recompiled(pjrt_bundle, tmp_path, monkeypatch):
-    bundle = tmp_path / "bundle"
+def relabelled(pjrt_bundle, directory, **metadata):
+    """A copy of the bundle whose region files say `metadata` (re-signed in the manifest)."""
+    from safetensors import safe_open
+
+    bundle = directory / "bundle"
+    shutil.rmtree(bundle, ignore_errors=True)
     shutil.copytree(pjrt_bundle, bundle)
     for region in (bundle / "regions").iterdir():
-        from safetensors import safe_open
-
         with safe_open(str(region), "np") as f:
-            metadata = {**f.metadata(), "platform_version": "cpu 0.0-elsewhere"}
-        save_file(load_file(str(region)), str(region), metadata=metadata)
+            changed = {**f.metadata(), **metadata}
+        save_file(load_file(str(region)), str(region), metadata=changed)
     edit_manifest(bundle, lambda body: None)
+    return bundle
+
+
+def test_an_executable_for_another_plugin_is_refused_or_recompiled(pjrt_bundle, tmp_path, monkeypatch):
+    bundle = relabelled(pjrt_bundle, tmp_path, platform_version="cpu 0.0-elsewhere")
     with pytest.raises(BundleError, match="compiled for PJRT platform 'cpu' version 'cpu 0.0-elsewhere'.*"
                                           "DEEPINFER_PJRT_RECOMPILE=1"):
         BundleExecutor(bundle)
     monkeypatch.setenv("DEEPINFER_PJRT_RECOMPILE", "1")
     assert tokens(bundle) == tokens(pjrt_bundle)
+    # A Trainium bundle on a host without Neuron's plugin: refused, naming what to install.
+    with pytest.raises(BundleError, match="no PJRT plugin for platform 'neuron' on this host.*libneuronxla"):
+        BundleExecutor(relabelled(pjrt_bundle, tmp_path, platform="neuron"))
 
 
-def test_deepseek_v4_through_pjrt_gives_the_eager_models_tokens(tmp_path):
-    """V4's state (sliding window ring, compressed entries, indexer) through StableHLO: its ring
-    positions are Python modulo of negative numbers, which torch-mlir lowers to C's remainder
-    (the backend rewrites it)."""
-    from tests.conftest import compile_tiny_v4
-    from tests.runtime.test_executor import same_tokens_as_eager
+def test_a_platform_without_dlpack_copies_and_gives_the_same_tokens(pjrt_bundle, monkeypatch):
+    """Neuron's plugin has no DLPack: tensors go by host-to-device copies (weights once, kept) and
+    outputs come back by copies; bf16 and fp8, which numpy lacks, as ml_dtypes. Forced here on the
+    CPU client."""
+    import jax
+    import torch
 
-    same_tokens_as_eager(compile_tiny_v4(tmp_path, model={**_v4_model(), "expert_overflow": "always"}, backend={"name": "pjrt"}))
+    from deepinfer.runtime.backends import pjrt
 
-
-def _v4_model() -> dict:
-    import yaml
-
-    from tests.conftest import TINY_V4_RECIPE, tiny_v4_config
-
-    return {**yaml.safe_load(TINY_V4_RECIPE.read_text())["model"], "config": tiny_v4_config()}
+    by_dlpack = tokens(pjrt_bundle)
+    monkeypatch.setattr(pjrt, "DLPACK_PLATFORMS", ())
+    assert tokens(pjrt_bundle) == by_dlpack
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int64):
+        tensor = torch.randn(3, 5).mul(100).to(dtype)[:, 1:]  # (not contiguous)
+        assert torch.equal(pjrt._from_host(jax.device_put(pjrt._to_host(tensor))).view(torch.uint8), tensor.contiguous().view(torch.uint8))

@@ -56,7 +56,7 @@ def test_bad_recipes_name_key_and_line(tmp_path, old, new, message):
     [
         ({"methods": {"decode": {"buckets": [1, 8]}}}, r"methods.decode.buckets: bucket 8 has more rows than kv.max_seqs=4"),
         ({"methods": {"prefill": {"buckets": [512]}}}, r"methods.prefill.buckets: bucket 512 is longer than kv.max_len=256"),
-        ({"backend": {"name": "neuron"}}, r"backend.name: backend 'neuron' is not available here: torch_neuronx"),
+        ({"backend": {"name": "neuron"}}, r"backend.name: backend 'neuron' is not available here: libneuronxla \(Neuron's PJRT plugin"),
         ({"backend": {"name": "tensorrt"}}, r"backend.name: unknown backend 'tensorrt'"),
         ({"dtype": "float16"}, r"dtype: 'float16' is not supported"),
         ({"regions": {"boundaries": [{"module": "layers.*"}]}}, r"regions.boundaries\[0\]: a boundary is"),

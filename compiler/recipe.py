@@ -52,7 +52,7 @@ SCHEMA = {
     "name": (str, REQUIRED),
     "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0),
               "quantized_weights": (str, "keep"), "expert_capacity": (float, DEFAULT_CAPACITY),
-              "expert_overflow": (str, "branch")},
+              "expert_overflow": (str, None)},
     "dtype": (str, "float32"),
     "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0),
                  "device_memory_gib": (float, None)},
@@ -112,7 +112,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     if not 0 < model["expert_capacity"] <= 1024:
         fail("model.expert_capacity", f"{model['expert_capacity']} must be in (0, 1024]: the (token, expert) pairs an expert "
              "takes in a prompt chunk, in multiples of an even share (default 2; a step past it runs every expert).")
-    if model["expert_overflow"] not in OVERFLOW_FORMS:
+    if model["expert_overflow"] not in (*OVERFLOW_FORMS, None):
         fail("model.expert_overflow", f"{model['expert_overflow']!r}: choose branch (a prompt chunk's overflow passes run "
              "when some expert needs them: torch.cond) or always (every pass runs: no control flow, for compilers that "
              "take none, like StableHLO/PJRT and neuronx-cc).")
@@ -151,6 +151,8 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     problem = options_problem(backend_name, values["backend"]["options"])
     if problem:
         fail("backend.options", problem)
+    if model["expert_overflow"] is None:  # unset: the form the backend can compile
+        model["expert_overflow"] = "branch" if getattr(backend_module(backend_name), "CONTROL_FLOW", True) else "always"
     try:
         config = model_config(model["arch"], model["checkpoint"], model["config"])
     except DeepinferError as err:

@@ -94,6 +94,8 @@ def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_j
         for prompt in ids:
             check_request(Request(prompt, max_tokens, sampling), manifest.vocab_size, manifest.kv.max_len)
         trace_path = knobs.region_trace_path()
+        if manifest.parallel["world_size"] > 1:  # (read at each rank's start; a bad one should not cost a load)
+            knobs.collective_timeout_s(), knobs.startup_timeout_s()
         load_start = time.perf_counter()
         executor = open_bundle(Path(bundle), under_torchrun, trust)
         tokenizer = bundle_tokenizer(executor)

@@ -5,6 +5,8 @@ The contract every backend module keeps, so the compile worker can drive any of 
     EXTENSION: str                     file suffix of its artifacts under regions/
     IN_PROCESS: bool (optional)        it only serializes: compile in the compiler's process, no worker
     PRELOAD: tuple (optional)          modules the workers' fork server imports once (heavy, thread-free)
+    CONTROL_FLOW: bool (optional)      False: it compiles no torch.cond, so a recipe that does not say
+                                       model.expert_overflow gets the MoE form without it (always)
     unavailable(options) -> str | None why it cannot run here with these (the recipe's) options:
                                        a missing package, or None
     versions() -> dict                 toolchain versions its artifacts are tied to (cache + manifest)

@@ -12,7 +12,7 @@ Static-graph discipline: what cannot lower fails here, at compile time, by regio
 StableHLO lowering lacks or gets wrong are rewritten to equivalents (REWRITES: `topk(sorted=False)`,
 whose order is unspecified, as a sorted one; `one_hot` as a comparison with `arange`; Python's
 remainder; right shifts as floor division; unsigned compares widened); `torch.cond` (the MoE's overflow passes) has no
-lowering, and the recipe chooses the form without it (`model.expert_overflow: always`)."""
+lowering: a recipe gets the form without it (`model.expert_overflow: always`) unless it says `branch`."""
 
 import hashlib
 import json
@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 
 EXTENSION = "pjrt"
 PRELOAD = ("torch_mlir.fx", "jax", "jax._src.lib.xla_client")  # ~1.6 s a worker otherwise
+CONTROL_FLOW = False  # torch-mlir's importer lowers no torch.cond
 DEFAULTS = {"platform": "cpu"}
 COND = torch.ops.higher_order.cond
 

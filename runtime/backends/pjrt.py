@@ -20,6 +20,7 @@ the pool with one copy per updated tensor per call (see README: the cost, and wh
 would take)."""
 
 import json
+import weakref
 
 import jax
 import ml_dtypes
@@ -89,26 +90,28 @@ DLPACK_PLATFORMS = ("cpu",)  # where torch's CPU tensors and PJRT arrays can sha
 
 class _Arguments:
     """torch tensor -> PJRT array: on the CPU in place where XLA can use the memory; else a copy
-    (to `device`, when given), kept by the tensor's identity and version and reused while the
-    tensor has not changed."""
+    (to `device`, when given), kept while the tensor lives and has not changed (its version), and
+    dropped with it: a step's inputs come and go, weights stay."""
 
     ALIGNMENT = 64  # XLA's CPU client takes memory in place only at this alignment
 
     def __init__(self, device):
         self.device = device
-        self.copies: dict[int, tuple] = {}  # id(tensor) -> (tensor, version, array)
+        self.copies: dict[int, tuple] = {}  # id(tensor) -> (version, array), while the tensor lives
 
     def __call__(self, tensor: torch.Tensor):
         if self.device is None and tensor.is_contiguous() and tensor.data_ptr() % self.ALIGNMENT == 0:
             return jax.dlpack.from_dlpack(tensor)
         kept = self.copies.get(id(tensor))
-        if kept is not None and kept[0] is tensor and kept[1] == tensor._version:
-            return kept[2]
+        if kept is not None and kept[0] == tensor._version:
+            return kept[1]
         if self.device is None:
             array = jax.dlpack.from_dlpack(tensor.clone(memory_format=torch.contiguous_format))  # (a fresh, aligned block)
         else:
             array = jax.device_put(_to_host(tensor), self.device)
-        self.copies[id(tensor)] = (tensor, tensor._version, array)
+        if kept is None:
+            weakref.finalize(tensor, self.copies.pop, id(tensor), None)
+        self.copies[id(tensor)] = (tensor._version, array)
         return array
 
 

@@ -98,6 +98,14 @@ def test_a_platform_without_dlpack_copies_and_gives_the_same_tokens(pjrt_bundle,
     by_dlpack = tokens(pjrt_bundle)
     monkeypatch.setattr(pjrt, "DLPACK_PLATFORMS", ())
     assert tokens(pjrt_bundle) == by_dlpack
+    # Copies are kept while their tensor lives and is unchanged, and go with it (a step's inputs).
+    to_device = pjrt._Arguments(jax.devices("cpu")[0])
+    weight = torch.randn(4, 4)
+    kept = to_device(weight)
+    assert to_device(weight) is kept and to_device(weight.add_(1)) is not kept
+    for _ in range(10):
+        to_device(torch.randn(3))
+    assert len(to_device.copies) == 1
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int64):
         tensor = torch.randn(3, 5).mul(100).to(dtype)[:, 1:]  # (not contiguous)
         assert torch.equal(pjrt._from_host(jax.device_put(pjrt._to_host(tensor))).view(torch.uint8), tensor.contiguous().view(torch.uint8))

@@ -206,10 +206,10 @@ def _contexts(sizes: list[int], max_len: int, key: str, fail) -> list[int]:
     return sizes if sizes[-1] == max_len else sizes + [max_len]
 
 
-def _check_backend(name: str, options, installed: bool, fail):
+def _check_backend(name: str, options: dict, installed: bool, fail):
     if name not in BACKENDS:
         fail(f"unknown backend {name!r}; choose one of {list(BACKENDS)}.")
-    problem = installed and backend_module(name).unavailable(options if isinstance(options, dict) else {})
+    problem = installed and backend_module(name).unavailable(options)
     if problem:
         fail(f"backend {name!r} is not available here: {problem}")
 

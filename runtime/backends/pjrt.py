@@ -35,14 +35,14 @@ from ..weights import header_of, tensors_of
 NATIVE_CODE = True
 
 
-def pjrt_client(platform: str):
+def pjrt_client(platform: str, where: str = "this region"):
     """The PJRT client of `platform` (cpu, neuron, cuda): jax finds installed plugins
-    (libneuronxla registers itself as one)."""
+    (libneuronxla registers itself as one). `where`: the file that needs it, for the error."""
     jax.config.update("jax_enable_x64", True)  # our regions take int64 positions and ids
     try:
         return jax.devices(platform)[0].client
     except RuntimeError as err:
-        raise BundleError(f"no PJRT plugin for platform {platform!r} on this host ({str(err).splitlines()[0]}); "
+        raise BundleError(f"{where}: no PJRT plugin for platform {platform!r} on this host ({str(err).splitlines()[0]}); "
                           "install it (Trainium: libneuronxla from AWS's Neuron repository), or recompile the "
                           "bundle for a platform this host has.") from None
 
@@ -62,7 +62,7 @@ def load(data: bytes, region, where: str):
         raise BundleError(f"{where}: not a PJRT region file (metadata {sorted(meta)}). Recompile the bundle.") from None
     if not (isinstance(mutated, list) and all(type(i) is int and 0 <= i < len(region.inputs) for i in mutated)):
         raise BundleError(f"{where}: mutated_inputs {mutated!r} does not fit the region's inputs. Recompile the bundle.")
-    client = pjrt_client(platform)
+    client = pjrt_client(platform, where)
     if client.platform_version != version:
         if not knobs.pjrt_recompile():
             raise BundleError(f"{where}: compiled for PJRT platform {platform!r} version {version!r}, but this host's "

@@ -118,9 +118,10 @@ def compile(program, options: dict, out):
     program = program.run_decompositions(table)
     mutated = _mutated_inputs(program)
     try:
-        text = str(fx.export_and_import(program, output_type="stablehlo"))
+        module = fx.export_and_import(program, output_type="stablehlo")
     except Exception as err:  # torch-mlir's lowering errors name IR, not the op: find the op
         raise LoweringError(_what_does_not_lower(program, err)) from None
+    text = _aliased(module, mutated)
     client = pjrt_client(options["platform"])
     executable = client.serialize_executable(compile_stablehlo(client, text))
     save_file({"executable": np.frombuffer(executable, np.uint8), "stablehlo": np.frombuffer(text.encode(), np.uint8)},
@@ -146,6 +147,22 @@ def _mutated_inputs(program) -> list[int]:
     if kinds != sorted(kinds, key=lambda kind: kind != "USER_INPUT_MUTATION"):
         raise LoweringError(f"output kinds {kinds}: state updates must precede the region's outputs.")
     return [inputs.index(spec.target) for spec in specs if spec.kind.name == "USER_INPUT_MUTATION"]
+
+
+def _aliased(module, mutated: list[int]) -> str:
+    """The StableHLO text with each updated state input marked as the same buffer as its new
+    value (`tf.aliasing_output`: input `mutated[j]` is output j), so XLA writes the update in
+    place into a buffer the runtime donates (runtime/backends/pjrt.py), instead of a new pool."""
+    from torch_mlir import ir
+
+    main = next(op for op in module.body.operations if op.operation.name == "func.func")
+    with module.context:
+        i32 = ir.IntegerType.get_signless(32)
+        output_of = {index: ir.IntegerAttr.get(i32, j) for j, index in enumerate(mutated)}
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(
+            [ir.DictAttr.get({"tf.aliasing_output": output_of[k]} if k in output_of else {})
+             for k in range(len(main.arguments))])
+    return str(module)
 
 
 def _what_does_not_lower(program, err: Exception) -> str:

@@ -14,10 +14,17 @@ memory as it is (contiguous, 64-byte aligned: activations, step inputs, the stat
 it cannot (most weights: views into the verified weight file at 4-byte offsets) is copied once
 and the copy kept while the tensor is unchanged, as an accelerator keeps weights in device
 memory. A device platform (Neuron has no DLPack) takes every tensor by a host-to-device copy,
-likewise kept while unchanged (weights cross once), and gives outputs back by a copy. XLA
-programs are functional: a region that updates state returns the new state, written back into
-the pool with one copy per updated tensor per call (see README: the cost, and what aliasing
-would take)."""
+likewise kept while unchanged (weights cross once), and gives outputs back by a copy.
+
+State stays in PJRT buffers. XLA programs are functional: a region that updates state returns
+the new state, its input marked as the same buffer (`tf.aliasing_output`), so XLA writes the
+update in place into a buffer it owns and the call donates. After its first update a state
+tensor (a KV layer of the pool) lives in a PJRT buffer, shared by every region of the process
+and handed from call to call; the torch pool tensor is then only its initial value. Nothing in
+torch may hold a view of that buffer: an outside reference makes XLA copy instead of donate.
+The one exception: a program for a context bucket binds a narrowed view of the pool (not a
+buffer of its own), so such a view takes the copy path (its pool tensor's buffer first written
+back to torch) -- context buckets on this backend copy their state each call."""
 
 import json
 import weakref
@@ -73,13 +80,13 @@ def load(data: bytes, region, where: str):
         program = client.deserialize_executable(executable, client.devices()[:1], xla_client.CompileOptions())
     n_mutated = len(mutated)
     by_dlpack = platform in DLPACK_PLATFORMS
-    to_pjrt = _Arguments(None if by_dlpack else client.devices()[0])
     to_torch = torch.from_dlpack if by_dlpack else _from_host
+    to_pjrt = _Arguments(None if by_dlpack else client.devices()[0], to_torch)
 
     def call(*args):
-        outputs = program.execute([to_pjrt(a) for a in args])
+        outputs = program.execute([to_pjrt(a) for a in args])  # (donates the resident state it updates)
         for index, new in zip(mutated, outputs):
-            args[index].copy_(to_torch(new))  # the state's new value, into the pool
+            to_pjrt.updated(args[index], new)
         return tuple(to_torch(out) for out in outputs[n_mutated:])
 
     return call
@@ -89,17 +96,23 @@ DLPACK_PLATFORMS = ("cpu",)  # where torch's CPU tensors and PJRT arrays can sha
 
 
 class _Arguments:
-    """torch tensor -> PJRT array: on the CPU in place where XLA can use the memory; else a copy
-    (to `device`, when given), kept while the tensor lives and has not changed (its version), and
-    dropped with it: a step's inputs come and go, weights stay."""
+    """torch tensor -> PJRT array: a state tensor's resident buffer once it has one; on the CPU in
+    place where XLA can use the memory; else a copy (to `device`, when given), kept while the
+    tensor lives and has not changed (its version), and dropped with it: a step's inputs come and
+    go, weights stay."""
 
     ALIGNMENT = 64  # XLA's CPU client takes memory in place only at this alignment
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, to_torch):
+        self.device, self.to_torch = device, to_torch
         self.copies: dict[int, tuple] = {}  # id(tensor) -> (version, array), while the tensor lives
 
     def __call__(self, tensor: torch.Tensor):
+        resident = _RESIDENT.get(id(tensor))
+        if resident is not None:
+            return resident
+        if tensor._base is not None and id(tensor._base) in _RESIDENT:  # a context bucket's view of the pool
+            tensor._base.copy_(self.to_torch(_RESIDENT.pop(id(tensor._base))))
         if self.device is None and tensor.is_contiguous() and tensor.data_ptr() % self.ALIGNMENT == 0:
             return jax.dlpack.from_dlpack(tensor)
         kept = self.copies.get(id(tensor))
@@ -113,6 +126,21 @@ class _Arguments:
             weakref.finalize(tensor, self.copies.pop, id(tensor), None)
         self.copies[id(tensor)] = (tensor._version, array)
         return array
+
+    def updated(self, tensor: torch.Tensor, array):
+        """A region's new value of state `tensor`: a whole pool tensor's becomes its resident
+        buffer (the next call donates it); a view's is copied into the pool."""
+        if tensor._base is not None:
+            tensor.copy_(self.to_torch(array))
+            return
+        if id(tensor) not in _RESIDENT:
+            weakref.finalize(tensor, _RESIDENT.pop, id(tensor), None)
+        _RESIDENT[id(tensor)] = array
+
+
+# id(pool tensor) -> the PJRT buffer holding its current value (every region of the process reads
+# and updates the same state); dropped with the tensor.
+_RESIDENT: dict[int, object] = {}
 
 
 # torch dtypes numpy lacks, carried as same-width integers: dtype -> (torch carrier, numpy carrier, ml_dtypes')

@@ -86,6 +86,37 @@ def test_an_executable_for_another_plugin_is_refused_or_recompiled(pjrt_bundle, 
         BundleExecutor(relabelled(pjrt_bundle, tmp_path, platform="neuron"))
 
 
+def test_state_is_updated_in_place_in_pjrt_buffers(pjrt_bundle):
+    """Each state tensor lives in one PJRT buffer that XLA updates in place: the buffer a call
+    donates is the one it returns (same memory), and the torch pool is not copied into."""
+    import torch
+
+    from deepinfer.runtime.backends import pjrt
+
+    executor = BundleExecutor(pjrt_bundle)
+    engine = Engine.for_bundle(executor)
+    engine.generate([Request(PROMPTS[0], 4)])
+    before = {name: pjrt._RESIDENT[id(t)] for name, t in executor.state.items()}
+    assert len(before) == len(executor.state) > 0
+    pointers = {name: a.unsafe_buffer_pointer() for name, a in before.items()}
+    engine.generate([Request(PROMPTS[1], 4)])
+    after = {name: pjrt._RESIDENT[id(t)] for name, t in executor.state.items()}
+    assert all(before[name].is_deleted() and after[name] is not before[name] for name in before)  # donated
+    assert {name: a.unsafe_buffer_pointer() for name, a in after.items()} == pointers
+    assert all(not t.any() for t in executor.state.values())  # (torch's pool: only the initial value)
+    # A context bucket's program binds a narrowed view of the pool: the resident value is written
+    # back to the pool first, and the view takes the copy path.
+    to_pjrt = pjrt._Arguments(None, torch.from_dlpack)
+    pool = torch.zeros(3, 8, 2)
+    to_pjrt.updated(pool, to_pjrt(torch.ones(3, 8, 2)))
+    assert to_pjrt(pool) is pjrt._RESIDENT[id(pool)] and not pool.any()
+    view = pool.narrow(1, 0, 4)
+    to_pjrt(view)
+    assert id(pool) not in pjrt._RESIDENT and pool.eq(1).all()
+    to_pjrt.updated(view, to_pjrt(torch.full((3, 4, 2), 2.0)))
+    assert pool[:, :4].eq(2).all() and pool[:, 4:].eq(1).all()
+
+
 def test_a_platform_without_dlpack_copies_and_gives_the_same_tokens(pjrt_bundle, monkeypatch):
     """Neuron's plugin has no DLPack: tensors go by host-to-device copies (weights once, kept) and
     outputs come back by copies; bf16 and fp8, which numpy lacks, as ml_dtypes. Forced here on the
@@ -99,7 +130,7 @@ def test_a_platform_without_dlpack_copies_and_gives_the_same_tokens(pjrt_bundle,
     monkeypatch.setattr(pjrt, "DLPACK_PLATFORMS", ())
     assert tokens(pjrt_bundle) == by_dlpack
     # Copies are kept while their tensor lives and is unchanged, and go with it (a step's inputs).
-    to_device = pjrt._Arguments(jax.devices("cpu")[0])
+    to_device = pjrt._Arguments(jax.devices("cpu")[0], pjrt._from_host)
     weight = torch.randn(4, 4)
     kept = to_device(weight)
     assert to_device(weight) is kept and to_device(weight.add_(1)) is not kept

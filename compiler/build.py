@@ -81,7 +81,7 @@ def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
     m = recipe.model
     return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype,
                        device=device, layout=layout, quantized_weights=m["quantized_weights"], expert_capacity=m["expert_capacity"],
-                       expert_overflow=m["expert_overflow"])
+                       expert_overflow=m["expert_overflow"], mtp=recipe.speculative > 0)
 
 
 def recipe_layout(recipe: Recipe) -> Layout:
@@ -104,7 +104,7 @@ def plan(recipe: Recipe, check_weights: bool = True) -> Plan:
     backend = backend_module(recipe.backend)
     toolchain = {**toolchain_versions(), **({} if backend.unavailable(recipe.backend_options) else backend.versions())}  # (only a plan)
     options = backend.options(recipe.backend_options)
-    programs, units = trace.trace_programs(model, recipe.buckets, recipe.contexts, recipe.kv["max_seqs"], recipe.kv["max_len"],
+    programs, units = trace.trace_programs(model, recipe.program_buckets(), recipe.program_contexts(), recipe.kv["max_seqs"], recipe.kv["max_len"],
                                            recipe.split_layers)
     # Splitting off the state-free part pays only where it dedups: layer units shared by contexts.
     context_inputs = _context_inputs(programs, state) if recipe.split_layers else {}
@@ -327,7 +327,7 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
                           [_spec(v) for v in output_values(gm)]) for fp, gm in the_plan.regions.items()}
     manifest = Manifest(
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
-        parallel=recipe.parallel, buckets=recipe.buckets, contexts=recipe.contexts, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
+        parallel=recipe.parallel, buckets=recipe.program_buckets(), contexts=recipe.program_contexts(), speculative=recipe.speculative, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
         weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if "tokenizer.json" in carried else None,
         vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
         chat_template="chat_template.json" if "chat_template.json" in carried else None,

@@ -35,9 +35,12 @@ class EagerExecutor:
 
 
 def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_seqs=4, max_len=256,
-                 contexts: dict[str, list[int]] | None = None) -> Engine:
+                 contexts: dict[str, list[int]] | None = None, speculative: int = 0) -> Engine:
+    """`speculative`: draft tokens a step (the model needs its MTP module: build_model(mtp=True))."""
     executor = EagerExecutor(model, max_seqs, max_len)
-    return Engine(executor, prefill_buckets, decode_buckets, max_seqs, max_len, model.config.eos_token_id, contexts=contexts)
+    verify = [b * (speculative + 1) for b in decode_buckets]
+    return Engine(executor, prefill_buckets, verify, max_seqs, max_len, model.config.eos_token_id, contexts=contexts,
+                  speculative=speculative, draft_buckets=sorted({*decode_buckets, *verify}) if speculative else ())
 
 
 @click.command()

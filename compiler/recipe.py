@@ -44,6 +44,24 @@ class Recipe:
     backend_options: dict
     output: Path
     raw: dict = field(repr=False, default_factory=dict)  # the recipe as written, for the manifest
+    speculative: int = 0  # draft tokens a decode step verifies (speculative.num_tokens; 0: off)
+
+    def program_buckets(self) -> dict[str, list[int]]:
+        """The traced programs' buckets, in rows. With k draft tokens a decode step verifies each
+        sequence's last token and its drafts (B (k + 1) rows for a bucket of B sequences), and
+        draft steps run the MTP module over the tokens a verify step just accepted (up to
+        B (k + 1) rows) or over one draft per sequence (B rows)."""
+        k = self.speculative
+        if not k:
+            return self.buckets
+        verify = [b * (k + 1) for b in self.buckets["decode"]]
+        return {"prefill": self.buckets["prefill"], "decode": verify, "draft": sorted({*self.buckets["decode"], *verify})}
+
+    def program_contexts(self) -> dict[str, list[int]]:
+        """Context buckets per traced method: draft steps take the decode steps'."""
+        if self.speculative and "decode" in self.contexts:
+            return {**self.contexts, "draft": self.contexts["decode"]}
+        return self.contexts
 
 
 # key -> (type, default); a dict value is a nested section; REQUIRED marks keys without a default.
@@ -60,8 +78,11 @@ SCHEMA = {
     "kv": {"max_seqs": (int, REQUIRED), "max_len": (int, REQUIRED)},
     "regions": {"split_layers": (bool, True), "boundaries": (list, [])},
     "backend": {"name": (str, "inductor"), "options": (dict, {})},
+    "speculative": {"method": (str, None), "num_tokens": (int, None)},
     "output": (str, None),
 }
+SPECULATIVE_METHODS = ("mtp",)
+MAX_DRAFT_TOKENS = 5
 
 
 def load_recipe(path: str | Path, backend: str | None = None, output: str | Path | None = None,
@@ -164,6 +185,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     problem = config.max_len_problem(kv["max_len"])
     if problem:
         fail("kv.max_len", problem)
+    speculative = _speculative(values["speculative"], config, fail)
     for method, sizes in contexts.items():
         problem = next(filter(None, map(config.max_len_problem, sizes)), None)
         if problem:
@@ -182,7 +204,27 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         backend_options=values["backend"]["options"],
         output=Path(output or values["output"] or f"artifacts/{values['name']}"),
         raw=raw,
+        speculative=speculative,
     )
+
+
+def _speculative(section: dict, config, fail) -> int:
+    """Draft tokens per decode step (0: speculative decoding off)."""
+    method, k = section["method"], section["num_tokens"]
+    if method is None and k is None:
+        return 0
+    if method not in SPECULATIVE_METHODS:
+        fail("speculative.method", f"{method!r}: choose mtp (the checkpoint's multi-token prediction module drafts, the "
+             "model verifies), or leave the section out.")
+    if k is None or not 1 <= k <= MAX_DRAFT_TOKENS:
+        fail("speculative.num_tokens", f"{k!r}: draft tokens per step, 1 to {MAX_DRAFT_TOKENS} (past the checkpoint's MTP "
+             "modules the last one drafts again from its own output).")
+    if not hasattr(config, "mtp"):
+        fail("speculative.method", f"MTP speculative decoding is not built for {type(config).__name__} yet.")
+    if not config.num_nextn_predict_layers:
+        fail("speculative.method", "the model has no MTP module to draft with (its config says num_nextn_predict_layers: "
+             "0 or nothing): use a checkpoint that has one (DeepSeek-V3's release does), or leave speculative out.")
+    return k
 
 
 def _sizes(listed: list, key: str, fail) -> list[int]:

@@ -1,7 +1,7 @@
 """Tracing: one torch.export per distinct (unit kind, method, bucket, context), weights lifted to inputs.
 
-The model's `prefill`/`decode` are drivers that only call sub-modules (`embed`, `layers[i]`,
-`head`). We run each driver once on fake tensors with forward hooks on those sub-modules, which
+The model's `prefill`/`decode` (and `draft`, with MTP modules) are drivers that only call
+sub-modules (`embed`, `layers[i]`, `head`, `mtp[i]`: the model's direct children). We run each driver once on fake tensors with forward hooks on those sub-modules, which
 records the program — the call sequence with each call's inputs and outputs by name — and gives
 every call's example inputs. A unit KIND (e.g. `layer.moe`) is exported the first time it is
 called; later calls of the same kind reuse that graph with their own weight and KV bindings.
@@ -115,10 +115,19 @@ def no_stack_traces():
 
 
 def _record_driver(model, program: TracedProgram, inputs, state, state_names, units, canonical) -> TracedProgram:
-    paths = {model.embed: "embed", model.head: "head", **{layer: f"layers.{i}" for i, layer in enumerate(model.layers)}}
+    paths = driver_modules(model)
     recorded = []  # (module, args, outputs) in call order
-    handles = [m.register_forward_hook(lambda m, a, o: recorded.append((m, a, o if isinstance(o, tuple) else (o,))))
-               for m in paths]
+    running = []  # the driver-level call in progress: a sub-module it calls (an MTP module's embed) is inside it
+
+    def enter(module, args):
+        running.append(module)
+
+    def leave(module, args, outputs):
+        running.pop()
+        if not running:
+            recorded.append((module, args, outputs if isinstance(outputs, tuple) else (outputs,)))
+
+    handles = [h for m in paths for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
         with run_each_layer_kind_once(model.layers):
             result = getattr(model, program.method)(*inputs, state)
@@ -143,6 +152,16 @@ def _record_driver(model, program: TracedProgram, inputs, state, state_names, un
         program.calls.append(UnitCall(key, path, [names[id(a)] for a in args], out_names, weights))
     program.output = names[id(result)]
     return program
+
+
+def driver_modules(model: nn.Module) -> dict[nn.Module, str]:
+    """The sub-modules a driver calls, by path: each direct child of the model, a ModuleList's
+    entries one by one ("layers.3", "mtp.0")."""
+    paths = {}
+    for name, child in model.named_children():
+        entries = enumerate(child) if isinstance(child, nn.ModuleList) else [(None, child)]
+        paths.update({module: name if i is None else f"{name}.{i}" for i, module in entries})
+    return paths
 
 
 @contextmanager

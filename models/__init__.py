@@ -83,13 +83,15 @@ def build_model(
     quantized_weights: str = "keep",
     expert_capacity: float = DEFAULT_CAPACITY,
     expert_overflow: str = "branch",
+    mtp: bool = False,
 ) -> DeepseekV3 | DeepseekV4:
     """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
 
     A checkpoint with fp8 weights (quantization_config) keeps them fp8 (`quantized_weights`
     "keep": models/quantization.py) or is dequantized to `dtype` as it is read ("dequantize").
     `expert_capacity`, `expert_overflow`: the grouped routed experts' capacity and overflow form
-    (models/moe.py).
+    (models/moe.py). `mtp`: build and read the checkpoint's multi-token prediction modules
+    (speculative decoding's drafter).
 
     device="meta" or "fake" builds shapes only: nothing is allocated and no weights are read.
     "fake" gives FakeTensors on the CPU (from one FakeTensorMode, `model.embed.weight.fake_mode`),
@@ -106,6 +108,12 @@ def build_model(
     if expert_overflow not in OVERFLOW_FORMS:
         raise ConfigError(f"model.expert_overflow={expert_overflow!r}: choose one of {list(OVERFLOW_FORMS)}.")
     cfg = replace(cfg, expert_capacity=expert_capacity, expert_overflow=expert_overflow)
+    if mtp:
+        if not getattr(cfg, "num_nextn_predict_layers", 0):
+            raise ConfigError(f"{checkpoint or 'model.config'}: num_nextn_predict_layers is 0 or absent: the model has no "
+                              "multi-token prediction (MTP) modules to draft with. Use a checkpoint that has them "
+                              "(DeepSeek-V3's release has one), or turn speculative decoding off.")
+        cfg = replace(cfg, mtp=True)
     if layout.world_size > 1 and device == "cpu":
         raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
     with torch.device("meta"):

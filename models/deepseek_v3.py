@@ -303,6 +303,76 @@ class LMHead(nn.Module):
         return torch.ops.deepinfer.all_gather(logits, "tp", -1, self.tp) if self.tp > 1 else logits
 
 
+class HeadKeepingHidden(LMHead):
+    """The head of a model with MTP modules: it also stores each row's final hidden state (after
+    the norm) at (slot, position) in the MTP's `hidden` state, the input the drafts start from."""
+
+    def forward(self, h, pending, positions, write_slots, hidden, last_index=None):
+        hidden.index_put_((write_slots, positions), self.norm(h + pending))
+        return super().forward(h, pending, last_index)
+
+
+class MTPLayer(nn.Module):
+    """One multi-token prediction (MTP) module (DeepSeek-V3 report, section 2.2): at position q it
+    joins the main model's final hidden state h_q (after the final norm) with the embedding of the
+    token at q + 1, and predicts the token at q + 2 through one more decoder block, which keeps
+    its own KV cache like any layer:
+
+        h'_q = block(eh_proj([enorm(embed(t_{q+1})); hnorm(h_q)])),   logits_q = shared_head(h'_q)
+
+    A draft step (`forward`, one row per sequence, the decode form) is given the token t_{q+1} at
+    its position q + 1; it reads h_q from the `hidden` state and writes h'_q at q + 1, where the
+    next draft step reads it in place of h_{q+1} (chained drafts: DeepSeek's sequential MTP, and
+    vLLM's way past the checkpoint's MTP layers). The verify step's head overwrites those entries
+    with the main model's own. The embedding at position 0 is zeroed, as vLLM's deepseek_mtp does
+    for the released weights. Checkpoint names: `model.layers.{num_hidden_layers + i}.{enorm,
+    hnorm, eh_proj, shared_head.norm, shared_head.head}` and the block's own names."""
+
+    def __init__(self, config: DeepseekV3Config, embed: InputEmbedding, layout: Layout = Layout()):
+        super().__init__()
+        self.kind = "mtp"
+        self.embed = embed  # (the main model's: shared)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = linear(2 * config.hidden_size, config.hidden_size, config.quantization)
+        self.block = DecoderLayer(config, config.is_moe_layer(config.num_hidden_layers), layout)
+        self.shared_head = LMHead(config, layout.tp)
+
+    def run(self, tokens, q, previous, write_slots, read_slots, latent):
+        """tokens [T] at positions q + 1, previous [T, D] the hidden states at q -> (h, pending) of h'_q."""
+        embedded, zeros, cos, sin = self.embed(tokens, q)
+        embedded = embedded * (q != 0)[:, None].to(embedded.dtype)
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        return self.block(x, zeros, cos, sin, q, write_slots, read_slots, latent)
+
+    def forward(self, tokens, positions, slots, latent, hidden):
+        """A draft step: tokens [B] at positions [B] (>= 1) -> logits [B, V] for positions + 1."""
+        q = (positions - 1).clamp(min=0)  # (padding rows sit at position 0, in the scratch slot)
+        h, pending = self.run(tokens, q, hidden[slots, q], slots, slots, latent)
+        hidden.index_put_((slots, positions), h + pending)
+        return self.shared_head(h, pending)
+
+
+class MTPPrefill(nn.Module):
+    """An MTP module over a prompt chunk (the prefill form: one sequence), after the head has
+    stored the chunk's hidden states: row t, the token at positions[t], runs the module at
+    positions[t] - 1, filling its KV cache for the prompt (a chunk starting at 0 sends its first
+    row to the scratch slot). It writes no h': the hidden state at the chunk's last position is
+    the main model's, which the first draft step reads."""
+
+    def __init__(self, layer: MTPLayer):
+        super().__init__()
+        self.kind = "mtp_prefill"
+        self.layer = layer  # (shared)
+
+    def forward(self, tokens, positions, write_slots, read_slot, latent, hidden):
+        q = (positions - 1).clamp(min=0)
+        write_slots = torch.where(positions == 0, latent.shape[0] - 1, write_slots)
+        previous = hidden.index_select(0, read_slot)[0, q]  # [T, D]
+        h, pending = self.layer.run(tokens, q, previous, write_slots, read_slot, latent)
+        return h + pending
+
+
 class DeepseekV3(nn.Module):
     # Router parameters stay float32 whatever the model dtype, as in HF.
     FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")
@@ -316,7 +386,11 @@ class DeepseekV3(nn.Module):
         self.config, self.layout = config, layout
         self.embed = InputEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i), layout) for i in range(config.num_hidden_layers))
-        self.head = LMHead(config, layout.tp)
+        # Speculative decoding's drafter: the checkpoint's first MTP module (models with more
+        # chain the first; see MTPLayer).
+        self.mtp = nn.ModuleList([MTPLayer(config, self.embed, layout)] if config.mtp else [])
+        self.mtp_prefill = nn.ModuleList(MTPPrefill(layer) for layer in self.mtp)
+        self.head = (HeadKeepingHidden if config.mtp else LMHead)(config, layout.tp)
         self.tie_weights()
 
     def tie_weights(self):
@@ -330,9 +404,12 @@ class DeepseekV3(nn.Module):
 
     def state_specs(self, max_seqs: int, max_len: int) -> list[list[StateSpec]]:
         """Per layer one tensor [max_seqs + 1, max_len, C], one entry per position; slot max_seqs
-        is the scratch slot."""
-        shape = [max_seqs + 1, max_len, self.config.kv_cache_dim]
-        return [[StateSpec("latent", shape, self.embed.weight.dtype, positions_per_entry=1)] for _ in self.layers]
+        is the scratch slot. An MTP module adds its own latent cache and `hidden` [max_seqs + 1,
+        max_len, D]: the hidden state its draft at each position starts from."""
+        dtype = self.embed.weight.dtype
+        latent = StateSpec("latent", [max_seqs + 1, max_len, self.config.kv_cache_dim], dtype, positions_per_entry=1)
+        hidden = StateSpec("hidden", [max_seqs + 1, max_len, self.config.hidden_size], dtype, positions_per_entry=1)
+        return [[latent] for _ in self.layers] + [[latent, hidden] for _ in self.mtp]
 
     def new_state(self, max_seqs: int, max_len: int) -> list[list[torch.Tensor]]:
         return allocate(self.state_specs(max_seqs, max_len))
@@ -341,13 +418,26 @@ class DeepseekV3(nn.Module):
         h, pending, cos, sin = self.embed(tokens, positions)
         for layer, layer_state in zip(self.layers, state):
             h, pending = layer(h, pending, cos, sin, positions, write_slots, read_slot, *layer_state)
-        return self.head(h, pending, last_index)  # [1, V]
+        if not self.mtp:
+            return self.head(h, pending, last_index)  # [1, V]
+        latent, hidden = state[len(self.layers)]
+        logits = self.head(h, pending, positions, write_slots, hidden, last_index)
+        self.mtp_prefill[0](tokens, positions, write_slots, read_slot, latent, hidden)
+        return logits
 
     def decode(self, tokens, positions, slots, state):
+        """Also the verify step of speculative decoding: rows of one sequence at consecutive
+        positions (the last token and its drafts) attend each other causally."""
         h, pending, cos, sin = self.embed(tokens, positions)
         for layer, layer_state in zip(self.layers, state):
             h, pending = layer(h, pending, cos, sin, positions, slots, slots, *layer_state)
-        return self.head(h, pending)  # [B, V]
+        if not self.mtp:
+            return self.head(h, pending)  # [B, V]
+        return self.head(h, pending, positions, slots, state[len(self.layers)][1])
+
+    def draft(self, tokens, positions, slots, state):
+        """One draft step of the MTP module: logits [B, V] for positions + 1 (MTPLayer)."""
+        return self.mtp[0](tokens, positions, slots, *state[len(self.layers)])
 
 
 def init_random(model: DeepseekV3, seed: int) -> DeepseekV3:
@@ -370,7 +460,13 @@ def init_random(model: DeepseekV3, seed: int) -> DeepseekV3:
 
 def checkpoint_keys(name: str, cfg: DeepseekV3Config, shape: tuple, saved_by_transformers: bool = True) -> list[tuple[str, tuple]]:
     """The checkpoint tensors (key, shape) our parameter `name` of full `shape` is made of, in HF's
-    per-expert layout: a stacked expert weight [E, out, in] is E (or 2E) tensors."""
+    per-expert layout: a stacked expert weight [E, out, in] is E (or 2E) tensors. MTP module i is
+    checkpoint layer num_hidden_layers + i (its block's names unprefixed, its head `shared_head.head`)."""
+    if name.startswith("mtp."):
+        index, _, rest = name.removeprefix("mtp.").partition(".")
+        layer = f"layers.{cfg.num_hidden_layers + int(index)}"
+        rest = rest.removeprefix("block.").replace("shared_head.lm_head.", "shared_head.head.")
+        return checkpoint_keys(f"{layer}.{rest}", cfg, shape, saved_by_transformers)
     layer, _, rest = name.partition(".mlp.experts_")
     if rest:  # stacked routed experts [E, out, in] from model.layers.N.mlp.experts.E.*_proj.weight
         parts = ("gate_proj", "up_proj") if rest == "gate_up" else ("down_proj",)

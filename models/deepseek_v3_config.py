@@ -14,7 +14,7 @@ from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_
 
 # Fields read or derived otherwise than by name from an HF config (rope from rope_parameters,
 # quantization from quantization_config, expert_capacity and expert_overflow from the recipe).
-NOT_HF_FIELDS = ("rope", "quantization", "expert_capacity", "expert_overflow")
+NOT_HF_FIELDS = ("rope", "quantization", "expert_capacity", "expert_overflow", "mtp")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class DeepseekV3Config:
     tie_word_embeddings: bool = False
     rope_interleave: bool = True
     attention_bias: bool = False
+    num_nextn_predict_layers: int = 0  # multi-token prediction (MTP) modules, after the main layers
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -66,6 +67,7 @@ class DeepseekV3Config:
     # Not checkpoint fields: the recipe's model.expert_capacity and expert_overflow (models/moe.py).
     expert_capacity: float = DEFAULT_CAPACITY
     expert_overflow: str = "branch"
+    mtp: bool = False  # build (and read) the MTP modules: speculative decoding asks for them
 
     @property
     def qk_head_dim(self) -> int:
@@ -170,7 +172,7 @@ def _checked_fields(raw: dict, source: str) -> dict:
 LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 << 22, "num_attention_heads": 1024,
           "max_position_embeddings": 1 << 24}
 SIZE_LIMIT = 1 << 20
-_NON_NEGATIVE = ("n_shared_experts", "qk_nope_head_dim", "first_k_dense_replace")
+_NON_NEGATIVE = ("n_shared_experts", "qk_nope_head_dim", "first_k_dense_replace", "num_nextn_predict_layers")
 _OPTIONAL = ("q_lora_rank", "bos_token_id", "eos_token_id")  # may be null
 _READ_KEYS = ({f.name for f in fields(DeepseekV3Config)} - set(NOT_HF_FIELDS)) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "scoring_func", "topk_method",

@@ -9,7 +9,8 @@ A bundle compiled for world_size W > 1 runs on W ranks: this process leads and s
 followers itself, or, under torchrun, rank 0 leads the ranks torchrun started.
 
 Prints each prompt's continuation, or with --json one object:
-    {"results": [{"prompt_ids", "token_ids", "text", "finish_reason"}...], "timing": {"ttft", "tpot", ...}}
+    {"results": [{"prompt_ids", "token_ids", "text", "finish_reason", "tokens_per_step"}...], "timing": {"ttft", "tpot", ...}}
+(tokens_per_step: tokens a decode step emitted on average; above 1 with speculative decoding)
 """
 
 import json
@@ -141,8 +142,8 @@ def _print_results(prompts, prompt_ids, results, texts, as_json: bool, load_seco
         }
         if host_seconds is not None:
             timing["host_region_seconds"] = host_seconds
-        out = [{"prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "text": t, "finish_reason": r.finish_reason}
-               for r, t in zip(results, texts)]
+        out = [{"prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "text": t, "finish_reason": r.finish_reason,
+                "tokens_per_step": r.tokens_per_step} for r, t in zip(results, texts)]
         click.echo(json.dumps({"results": out, "timing": timing}))
         return
     labels = list(prompts) + [f"ids {p}" for p in prompt_ids]

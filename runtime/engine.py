@@ -15,6 +15,14 @@ Static shapes rule here: every step is padded to a bucket, and padding points at
 slot (index max_seqs). Where the bundle has context buckets, a step runs the program for the
 smallest context that holds its longest sequence, so a short conversation does not pay for
 the pool's kv.max_len.
+
+Speculative decoding (a bundle compiled with `speculative`, k draft tokens): a sequence's decode
+step verifies its last token and the k tokens its MTP module drafted, all in one step of the
+main model (rows at consecutive positions attend each other causally), and emits the accepted
+drafts and one more token (sampling.verify_drafts: exactly the model's distribution); then the
+draft steps propose the next k -- the first over the tokens just emitted (the module has not
+seen them), then one row per sequence. Rejected drafts' state is overwritten by later steps:
+nothing is cleared. Without speculation a decode step is the same with no drafts.
 """
 
 import time
@@ -24,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DeepinferError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, probabilities, sample, verify_drafts
 from .step import Step
 
 
@@ -44,6 +52,12 @@ class Result:
     error: str = ""  # with finish_reason "error": what failed (this request only; the engine goes on)
     ttft: float = 0.0  # seconds from submission to the first token
     token_times: list[float] = field(default_factory=list)  # seconds from submission to each token
+    decode_steps: int = 0  # decode steps that emitted its tokens after the first
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a decode step emitted, on average (1 without speculative decoding)."""
+        return (len(self.token_ids) - 1) / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def tpot(self) -> float:
@@ -62,6 +76,9 @@ class Sequence:
     submitted: float  # time.perf_counter() at submission
     slot: int | None = None  # its row in the state pool, once admitted
     prefilled: int = 0  # prompt tokens already in the cache
+    drafts: list[int] = field(default_factory=list)  # proposed to follow its last token, not yet verified
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # the distribution each draft was drawn from
+    unseen: int = 0  # its last tokens the MTP module has not run over yet (speculative decoding)
 
     @property
     def finished(self) -> bool:
@@ -100,10 +117,15 @@ def check_request(request: Request, vocab_size: int | None, max_len: int):
 
 class Engine:
     def __init__(self, executor, prefill_buckets, decode_buckets, max_seqs: int, max_len: int, eos_id: int | None,
-                 vocab_size: int | None = None, contexts: dict[str, list[int]] | None = None):
+                 vocab_size: int | None = None, contexts: dict[str, list[int]] | None = None, speculative: int = 0,
+                 draft_buckets=()):
+        """Buckets in rows: with `speculative` k draft tokens a decode bucket holds k + 1 rows a sequence."""
         self.executor = executor
         self.prefill_buckets = sorted(prefill_buckets)
         self.decode_buckets = sorted(decode_buckets)
+        self.speculative, self.draft_buckets = speculative, sorted(draft_buckets)
+        # Per draft position: drafts verified, and accepted (the acceptance rate by position).
+        self.drafted, self.accepted = [0] * speculative, [0] * speculative
         self.contexts = contexts or {}  # method -> context buckets, the largest kv.max_len
         self.max_seqs, self.max_len, self.eos_id, self.vocab_size = max_seqs, max_len, eos_id, vocab_size
         self.scratch = max_seqs
@@ -116,7 +138,7 @@ class Engine:
         """The engine a loaded bundle's manifest describes."""
         m = executor.manifest
         return cls(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id,
-                   m.vocab_size, m.contexts)
+                   m.vocab_size, m.contexts, m.speculative, m.buckets.get("draft", ()))
 
     def check(self, request: Request):
         check_request(request, self.vocab_size, self.max_len)
@@ -160,6 +182,8 @@ class Engine:
         if decoding:
             self._decode(decoding)
             updated += [s for s in decoding if s not in updated]
+        if self.speculative:
+            self._draft([s for s in self.running if s.decoding and s.unseen])
         self._retire()
         return updated
 
@@ -198,34 +222,91 @@ class Engine:
         return logits[0]
 
     def _decode(self, seqs: list[Sequence]):
-        """One token for every given sequence, in groups of at most the largest decode bucket."""
-        largest = self.decode_buckets[-1]
+        """A decode step for every given sequence, in groups of at most the largest bucket: each
+        verifies its last token and its drafts (none without speculation) and emits the tokens
+        that passed and one more."""
+        per_sequence = self.speculative + 1
+        largest = self.decode_buckets[-1] // per_sequence
         for lo in range(0, len(seqs), largest):
             group = seqs[lo : lo + largest]
-            bucket = next(b for b in self.decode_buckets if b >= len(group))
-            pad = bucket - len(group)
-            step = Step(
-                "decode",
-                tokens=torch.tensor([s.result.token_ids[-1] for s in group] + [0] * pad),
-                positions=torch.tensor([s.length for s in group] + [0] * pad),
-                slots=torch.tensor([s.slot for s in group] + [self.scratch] * pad),
-                context=self._context("decode", max(s.length for s in group) + 1),
-            )
-            logits = self.executor.run(step)
-            for row, seq in enumerate(group):
-                self._append(seq, logits[row])
+            rows = [[(t, s.length + i) for i, t in enumerate([s.result.token_ids[-1], *s.drafts])] for s in group]
+            logits = self._run("decode", self.decode_buckets, group, rows)
+            start = 0
+            for seq, seq_rows in zip(group, rows):
+                self._verify(seq, logits[start : start + len(seq_rows)])
+                start += len(seq_rows)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor):
+        drafts, result = seq.drafts, seq.result
+        try:
+            tokens = verify_drafts(logits, drafts, seq.draft_probs, seq.request.sampling, seq.generator)
+        except RuntimeError as err:  # logits that are not numbers: this request fails, the others go on
+            result.finish_reason, result.error = "error", f"sampling failed: {str(err).splitlines()[0]}"
+            return
+        for j in range(len(drafts)):
+            self.drafted[j] += 1
+            self.accepted[j] += j < len(tokens) - 1
+        seq.drafts, seq.draft_probs = [], []
+        result.decode_steps += 1
+        for token in tokens:
+            self._emit(seq, token)
+            seq.unseen += 1
+            if seq.finished:
+                break
+
+    def _draft(self, seqs: list[Sequence]):
+        """The next drafts of every given sequence: the MTP module over its unseen tokens (the
+        last gives the first draft), then over each draft in turn. A sequence drafts no further
+        than its context and its max_tokens can use."""
+        budget = {seq: min(self.speculative, self.max_len - 1 - seq.length,
+                           seq.request.max_tokens - len(seq.result.token_ids) - 1) for seq in seqs}
+        unseen = {}  # each sequence's unseen tokens, as (token, position) rows (its last at seq.length)
+        for seq in seqs:
+            ids, first = seq.result.token_ids, seq.length - seq.unseen + 1
+            unseen[seq] = [(token, first + i) for i, token in enumerate(ids[len(ids) - seq.unseen :])]
+            seq.unseen = 0
+        for j in range(self.speculative):
+            drafting = [s for s in seqs if budget[s] > j]
+            largest = self.draft_buckets[-1] // (self.speculative + 1 if j == 0 else 1)
+            for lo in range(0, len(drafting), largest):
+                group = drafting[lo : lo + largest]
+                rows = [unseen[s] if j == 0 else [(s.drafts[-1], s.length + j)] for s in group]
+                logits = self._run("draft", self.draft_buckets, group, rows)
+                ends = torch.tensor([len(r) for r in rows]).cumsum(0) - 1  # each sequence's last row
+                for seq, row in zip(group, logits[ends]):
+                    probs = probabilities(row[None], seq.request.sampling)[0]
+                    if not (torch.isfinite(probs).all() and probs.sum() > 0):
+                        budget[seq] = j  # logits that are not numbers: no more drafts (the verify step decides)
+                        continue
+                    seq.drafts.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+                    seq.draft_probs.append(probs)
+
+    def _run(self, method: str, buckets: list[int], group: list[Sequence], rows: list[list[tuple[int, int]]]) -> torch.Tensor:
+        """One step of `method` over each sequence's (token, position) rows, padded to the
+        smallest bucket that holds them -> logits [rows, V]."""
+        flat = [(token, position, seq.slot) for seq, seq_rows in zip(group, rows) for token, position in seq_rows]
+        bucket = next(b for b in buckets if b >= len(flat))
+        flat += [(0, 0, self.scratch)] * (bucket - len(flat))
+        tokens, positions, slots = (torch.tensor(column) for column in zip(*flat))
+        context = self._context(method, max(p for seq_rows in rows for _, p in seq_rows) + 1)
+        return self.executor.run(Step(method, tokens, positions, slots, context=context))
 
     def _context(self, method: str, positions: int) -> int | None:
         """The smallest context bucket holding `positions` positions (None: the method has none)."""
         return next((c for c in self.contexts.get(method, ()) if c >= positions), None)
 
     def _append(self, seq: Sequence, logits: torch.Tensor):
-        result = seq.result
+        """Sample the token after a prompt and emit it."""
         try:
             token = int(sample(logits[None], seq.request.sampling, seq.generator)[0])
         except RuntimeError as err:  # logits that are not numbers: this request fails, the others go on
-            result.finish_reason, result.error = "error", f"sampling failed: {str(err).splitlines()[0]}"
+            seq.result.finish_reason, seq.result.error = "error", f"sampling failed: {str(err).splitlines()[0]}"
             return
+        self._emit(seq, token)
+        seq.unseen = 1
+
+    def _emit(self, seq: Sequence, token: int):
+        result = seq.result
         result.token_ids.append(token)
         now = time.perf_counter() - seq.submitted
         result.token_times.append(now)

@@ -126,7 +126,7 @@ class BundleExecutor:
             if shadowed:
                 raise BundleError(f"{where}, step {n}: output {shadowed[0]!r} would shadow a weight or step input.")
             known.update(zip(step.outputs, outputs))
-        rows = bucket if method == "decode" else 1
+        rows = 1 if method == "prefill" else bucket
         if known.get(program.output) != ([rows, self.manifest.vocab_size], "float32"):
             raise BundleError(f"{where}: its output {program.output!r} is not the float32 [{rows}, vocab_size="
                               f"{self.manifest.vocab_size}] logits the engine samples from; recompile the bundle.")

@@ -16,12 +16,15 @@ import torch
 import torch.distributed as dist
 
 from . import knobs
+from .collectives import CollectiveFailed
 from .errors import DeepinferError
 from .executor import BundleExecutor
 from .launch import IDLE_TIMEOUT_S, RING_SLOTS, create_host_ring, host_position, join, max_bucket, torchrun_ring_name
 from .shm_ring import SHM_DIR, RingTimeout, ShmRing
 from .step import decode, payload_words
 from .trust import Trust, trust_options
+
+LEADER_REPORTS_FIRST_S = 3.0  # how long a follower whose collective failed waits before exiting
 
 
 def attach_ring(rank: int, n_readers: int, width: int) -> ShmRing:
@@ -95,6 +98,11 @@ def run_follower(bundle: Path, trust: Trust = Trust()):
         follow(bundle, trust)
     except DeepinferError as err:
         click.echo(f"deepinfer follower: {err}", err=True)
+        if isinstance(err, CollectiveFailed):
+            # The leader sits in the same collective and reports the failure with the group's
+            # hosts; under torchrun this rank's exit would have the agent stop it first. (Spawned
+            # by deepinfer-run, this rank dies with the leader anyway.)
+            time.sleep(LEADER_REPORTS_FIRST_S)
         sys.exit(1)
 
 

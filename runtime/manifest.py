@@ -119,6 +119,7 @@ class Manifest:
     state: list[list[StateTensor]] | None = None  # per layer; None in bundles that only have `kv`
     chat_template: str | None = None  # relative path of chat_template.json, when the checkpoint has a template
     contexts: dict = field(default_factory=dict)  # method -> sorted context buckets (ending at kv.max_len), when it has them
+    speculative: int = 0  # draft tokens a decode step verifies (MTP speculative decoding; 0: off)
 
     def state_tensors(self) -> dict[str, TensorSpec]:
         """Every state tensor the runtime allocates, by the name programs use."""
@@ -208,11 +209,18 @@ def check_manifest(m: Manifest, where: str):
                 bad(f"state tensor {t} of layer {i} is not [max_seqs + 1, ...] of a known dtype and sane size")
     if not 0 < m.vocab_size <= 1 << 22 or (m.eos_token_id is not None and not 0 <= m.eos_token_id < m.vocab_size):
         bad(f"vocab_size {m.vocab_size} / eos_token_id {m.eos_token_id} out of range")
-    for method in ("prefill", "decode"):
+    k = m.speculative
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 16:
+        bad(f"speculative {k!r} must be a small count of draft tokens (0: off)")
+    methods = ("prefill", "decode", "draft") if k else ("prefill", "decode")
+    if set(m.buckets) != set(methods):
+        bad(f"buckets name {sorted(m.buckets)}, not the methods {list(methods)}")
+    for method in methods:
         buckets = m.buckets.get(method)
         if not isinstance(buckets, list) or not buckets or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
             bad(f"buckets.{method} {buckets!r} must be a list of positive integers")
-        if method == "decode" and max(buckets) > kv.max_seqs or method == "prefill" and max(buckets) > kv.max_len:
+        rows = kv.max_len if method == "prefill" else kv.max_seqs * (k + 1)
+        if max(buckets) > rows or method == "decode" and any(b % (k + 1) for b in buckets):
             bad(f"buckets.{method} {buckets} does not fit the KV pool")
         contexts = m.contexts.get(method, [None])
         if method in m.contexts and (not isinstance(contexts, list) or not contexts or contexts[-1] != kv.max_len
@@ -223,8 +231,8 @@ def check_manifest(m: Manifest, where: str):
             for context in contexts:
                 if program_key(method, bucket, context) not in m.programs:
                     bad(f"no program for {program_key(method, bucket, context)}")
-    if set(m.contexts) - {"prefill", "decode"}:
-        bad(f"contexts {sorted(m.contexts)} names a method other than prefill and decode")
+    if set(m.contexts) - set(methods):
+        bad(f"contexts {sorted(m.contexts)} names a method other than {list(methods)}")
     for t in [t for layer in m.state or [] for t in layer if t.positions_per_entry is not None]:
         ratio = t.positions_per_entry
         if (not isinstance(ratio, int) or ratio < 1 or t.shape[1] * ratio != kv.max_len

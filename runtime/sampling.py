@@ -1,9 +1,11 @@
-"""Next-token choice on the leader: greedy, or temperature plus nucleus (top-p) sampling."""
+"""Next-token choice on the leader: greedy, or temperature plus nucleus (top-p) sampling; and
+speculative decoding's acceptance of drafted tokens, which keeps the model's distribution."""
 
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .errors import DeepinferError
 
@@ -28,11 +30,11 @@ class SamplingParams:
             raise DeepinferError(f"seed={self.seed!r}: give an integer in [0, 2**63).")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N]. Raises only on logits that are not numbers (NaN):
-    the engine then fails that one request."""
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] float32 -> the distribution tokens are drawn from [N, V]: temperature, then
+    the nucleus (top-p); greedy is the one-hot of the argmax."""
     if params.temperature < GREEDY_BELOW:
-        return logits.argmax(dim=-1)
+        return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
     probs = (logits / params.temperature).softmax(dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -41,4 +43,40 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         outside[..., 0] = False  # (a top_p that underflows to 0 in float32 would mask it too)
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # (a distribution: draft acceptance compares two)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N]. Raises only on logits that are not numbers (NaN):
+    the engine then fails that one request."""
+    if params.temperature < GREEDY_BELOW:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, params), 1, generator=generator)[:, 0]
+
+
+def verify_drafts(logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor], params: SamplingParams,
+                  generator: torch.Generator) -> list[int]:
+    """Speculative decoding's acceptance: `logits` [m + 1, V] are the model's at the last token
+    and at each of the m drafts; `draft_probs[j]` [V] the distribution draft j was drawn from.
+    Returns the tokens to emit: the accepted drafts, then one more -- drawn from the model where a
+    draft was rejected, or after the last. Greedy: a draft is accepted while it is the model's
+    argmax. Sampling: draft j is accepted with probability min(1, p(d) / q(d)), and a rejection
+    draws from max(0, p - q) renormalised (Leviathan et al. 2023; Chen et al. 2023), so what is
+    emitted is distributed exactly as the model's own samples (p after temperature and top-p):
+    a token p gives no mass is never emitted."""
+    if params.temperature < GREEDY_BELOW:
+        best = logits.argmax(dim=-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == best[n]:
+            n += 1
+        return drafts[:n] + [best[n]]
+    p = probabilities(logits, params)
+    for j, (token, q) in enumerate(zip(drafts, draft_probs)):
+        if torch.rand(1, generator=generator).item() * q[token] < p[j, token]:
+            continue
+        residual = (p[j] - q).clamp(min=0)
+        if not residual.sum() > 0:  # (p == q where q drew the draft: rejection had probability 0)
+            residual = p[j]
+        return drafts[:j] + [int(torch.multinomial(residual, 1, generator=generator))]
+    return drafts + [int(torch.multinomial(p[-1], 1, generator=generator))]

@@ -8,18 +8,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-METHODS = ("stop", "prefill", "decode")
-# The inputs each method's program reads, in the model's argument order (Step.inputs()).
-STEP_FIELDS = {"prefill": ("tokens", "positions", "slots", "read_slot", "last_index"), "decode": ("tokens", "positions", "slots")}
+METHODS = ("stop", "prefill", "decode", "draft")
+# The inputs each method's program reads, in the model's argument order (Step.inputs()). `draft`:
+# a speculative decoding draft step (the MTP module), laid out as decode.
+STEP_FIELDS = {"prefill": ("tokens", "positions", "slots", "read_slot", "last_index"), "decode": ("tokens", "positions", "slots"),
+               "draft": ("tokens", "positions", "slots")}
 HEADER_WORDS = 5  # method, bucket, read_slot, last_index, context
 
 
 @dataclass
 class Step:
-    method: str  # "prefill" | "decode"
+    method: str  # "prefill" | "decode" | "draft"
     tokens: torch.Tensor  # [bucket] int64
     positions: torch.Tensor  # [bucket] int64
-    slots: torch.Tensor  # [bucket] int64: the KV slot each row/token writes (decode: also reads)
+    slots: torch.Tensor  # [bucket] int64: the KV slot each row/token writes (decode, draft: also reads)
     read_slot: torch.Tensor | None = None  # [1] int64, prefill: the sequence whose cache is attended
     last_index: torch.Tensor | None = None  # [1] int64, prefill: the row whose logits are returned
     context: int | None = None  # the context bucket: every position is below it (None: the whole pool)

@@ -350,7 +350,12 @@ class _Reply:
     def _usage(self) -> dict:
         prompt = sum(len(h.request.prompt_ids) for h in self.handles)
         completion = sum(len(ids) for ids in self.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.server.engine.speculative:  # tokens a decode step emitted (speculative decoding's gain)
+            results = [h.seq.result for h in self.handles if h.seq is not None]
+            steps = sum(r.decode_steps for r in results)
+            usage["tokens_per_step"] = sum(len(r.token_ids) - 1 for r in results) / steps if steps else 0.0
+        return usage
 
 
 def _event(payload: dict) -> str:

@@ -156,6 +156,8 @@ class EngineThread:
         self.metrics.running.set(len(self.engine.running))
         self.metrics.waiting.set(len(self.engine.waiting))
         self.metrics.free_slots.set(len(self.engine.free_slots))
+        if self.engine.speculative:
+            self.metrics.speculation(self.engine.drafted, self.engine.accepted)
 
     # --- back on the event loop --------------------------------------------------------------
 

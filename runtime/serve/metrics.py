@@ -20,6 +20,23 @@ class Metrics:
         self.waiting = Gauge("deepinfer_queue_length", "requests waiting for a sequence slot", registry=r)
         self.running = Gauge("deepinfer_running_sequences", "sequences holding a slot (prefilling or decoding)", registry=r)
         self.free_slots = Gauge("deepinfer_free_kv_slots", "sequence slots of the state pool that are free", registry=r)
+        # Speculative decoding, by draft position (0: the first draft after a sequence's last token).
+        self.drafted = Counter("deepinfer_spec_decode_draft_tokens", "drafts verified, by draft position", ["position"],
+                               registry=r)
+        self.accepted = Counter("deepinfer_spec_decode_accepted_tokens", "drafts accepted, by draft position", ["position"],
+                                registry=r)
+        self.acceptance = Gauge("deepinfer_spec_decode_acceptance_rate", "accepted / verified drafts since start, by "
+                                "draft position", ["position"], registry=r)
+        self.published: dict[int, tuple[int, int]] = {}  # draft position -> the totals counted so far
+
+    def speculation(self, drafted: list[int], accepted: list[int]):
+        """The engine's running totals per draft position, into the counters and rates."""
+        for position, (n, a) in enumerate(zip(drafted, accepted)):
+            label, (published_n, published_a) = str(position), self.published.get(position, (0, 0))
+            self.drafted.labels(label).inc(n - published_n)
+            self.accepted.labels(label).inc(a - published_a)
+            self.acceptance.labels(label).set(a / n if n else 0.0)
+            self.published[position] = (n, a)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

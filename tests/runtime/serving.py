@@ -37,7 +37,7 @@ class Served:
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as reply:
             text = reply.read().decode()
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> tuple[int, str]:
         """Send `sig` (None: none, it is stopping already) and wait for the exit code and stderr."""

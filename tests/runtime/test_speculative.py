@@ -1,0 +1,200 @@
+"""MTP speculative decoding is lossless: with drafts verified by the model, greedy tokens are those
+of decoding without speculation (eager and compiled, k = 1, 3, 5, world sizes 1 and 2), whatever
+the drafter proposes; sampled tokens keep the model's distribution (rejection sampling)."""
+
+import json
+
+import pytest
+import torch
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.eager import EagerExecutor, eager_engine
+from deepinfer.compiler.recipe import RecipeError, load_recipe
+from deepinfer.models import TINY_CONFIG, build_model
+from deepinfer.runtime.engine import Engine, Request
+from deepinfer.runtime.executor import BundleExecutor
+from deepinfer.runtime.sampling import SamplingParams, probabilities, verify_drafts
+from tests.conftest import write_recipe
+from tests.runtime.test_multirank import run_bundle
+
+# Prompts over one and two prefill chunks (16, 64), and a one-token prompt.
+PROMPTS = [[5, 6, 7], list(range(20, 56)), list(range(100, 180)), [9]]
+MAX_TOKENS = 20
+MTP_CONFIG = {**TINY_CONFIG, "num_nextn_predict_layers": 1}
+
+
+def greedy(engine: Engine, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate([Request(p, max_tokens) for p in PROMPTS])]
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    return build_model(config=MTP_CONFIG, mtp=True, expert_overflow="always")
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_model):
+    return greedy(eager_engine(mtp_model))
+
+
+class Drafter(EagerExecutor):
+    """The eager model whose draft steps propose what `propose(slot, position)` says: the
+    sequence's true next token (an oracle: every draft passes) or a wrong one (none does)."""
+
+    def __init__(self, model, propose):
+        super().__init__(model, 4, 256)
+        self.propose = propose
+
+    def run(self, step):
+        logits = super().run(step)
+        if step.method != "draft":
+            return logits
+        rigged = torch.full_like(logits, -1e4)
+        for row, (slot, position) in enumerate(zip(step.slots.tolist(), step.positions.tolist())):
+            rigged[row, self.propose(slot, position + 1) % logits.shape[-1]] = 0.0
+        return rigged
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_gives_the_tokens_of_plain_decoding(mtp_model, reference, k):
+    engine = eager_engine(mtp_model, speculative=k)
+    assert greedy(engine) == reference  # (the tiny model's random MTP module: drafts mostly rejected)
+    assert engine.drafted[0] > 0
+
+    # Slots are given in order: sequence i holds slot i. An oracle drafter's drafts all pass...
+    texts = [p + r for p, r in zip(PROMPTS, reference)]
+
+    def truth(slot, position):  # (padding rows: the scratch slot)
+        return texts[slot][position] if slot < len(texts) and position < len(texts[slot]) else 0
+
+    oracle = Engine(Drafter(mtp_model, truth), engine.prefill_buckets, engine.decode_buckets, 4, 256,
+                    mtp_model.config.eos_token_id, speculative=k, draft_buckets=engine.draft_buckets)
+    results = oracle.generate([Request(p, MAX_TOKENS) for p in PROMPTS])
+    assert [r.token_ids for r in results] == reference
+    assert oracle.accepted == oracle.drafted
+    # (the first token comes from the prompt, and a step emits at most k + 1)
+    assert all(r.tokens_per_step == pytest.approx((MAX_TOKENS - 1) / -(-(MAX_TOKENS - 1) // (k + 1))) for r in results)
+
+    # ... and a drafter that is always wrong changes nothing but the speed: no draft is emitted unverified.
+    liar = Engine(Drafter(mtp_model, lambda slot, position: truth(slot, position) + 1), engine.prefill_buckets,
+                  engine.decode_buckets, 4, 256, mtp_model.config.eos_token_id, speculative=k, draft_buckets=engine.draft_buckets)
+    results = liar.generate([Request(p, MAX_TOKENS) for p in PROMPTS])
+    assert [r.token_ids for r in results] == reference
+    assert sum(liar.accepted) == 0 and all(r.tokens_per_step == 1.0 for r in results)
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    """The first token emitted after a draft drawn from q is distributed as the model's p (after
+    temperature and top-p): a chi-square test over 12 tokens, 6,000 draws, fixed seed."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, draws = 12, 6_000
+    logits = torch.randn(2, vocab, generator=generator) * 2  # the model's rows at the last token and at the draft
+    draft_logits = torch.randn(vocab, generator=generator) * 2
+    for params, critical in ((SamplingParams(temperature=0.8), 31.26), (SamplingParams(temperature=1.0, top_p=0.7), None)):
+        p = probabilities(logits[:1], params)[0]
+        q = probabilities(draft_logits[None], params)[0]
+        counts = torch.zeros(vocab)
+        for _ in range(draws):
+            draft = int(torch.multinomial(q, 1, generator=generator))
+            counts[verify_drafts(logits, [draft], [q], params, generator)[0]] += 1
+        assert counts[p == 0].sum() == 0  # never a token the nucleus leaves out
+        kept = p > 0
+        expected = p[kept] * draws
+        chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+        # critical value of chi-square at p = 0.001 for kept - 1 degrees of freedom (scipy-free table)
+        table = {k: v for k, v in zip(range(1, 12), (10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26))}
+        assert chi2 < table[int(kept.sum()) - 1], (chi2, counts, expected)
+
+
+@pytest.fixture(scope="module")
+def spec_bundles(tmp_path_factory, cache_dir):
+    """The tiny model with its MTP module, compiled with k draft tokens (export; context buckets
+    on the decode side), and at world size 2."""
+    work = tmp_path_factory.mktemp("speculative")
+    base = {"model": {"config": MTP_CONFIG, "expert_overflow": "always"}, "backend": {"name": "export"}}
+    out = {}
+    for name, k, changes in (("k3-contexts", 3, {"methods": {"decode": {"buckets": [1, 4], "context": [64]},
+                                                              "prefill": {"buckets": [16, 64]}}}),
+                             ("k2-ws2", 2, {"parallel": {"world_size": 2, "tp": 2, "ep": 2}})):
+        recipe = write_recipe(work, name, **base, **changes, speculative={"method": "mtp", "num_tokens": k})
+        out[name] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
+    return out
+
+
+def test_compiled_speculation_gives_the_tokens_of_plain_decoding(spec_bundles, reference):
+    executor = BundleExecutor(spec_bundles["k3-contexts"])
+    assert executor.manifest.speculative == 3 and executor.manifest.buckets["decode"] == [4, 16]
+    engine = Engine.for_bundle(executor)
+    assert greedy(engine) == reference and engine.drafted[2] > 0
+    # Sampling: runs, stays in the vocabulary, and is reproducible from the seed.
+    sampled = [engine.generate([Request(PROMPTS[1], 12, SamplingParams(temperature=0.9, top_p=0.9, seed=5))])[0].token_ids
+               for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 12
+
+
+def test_speculation_at_world_size_2(spec_bundles, reference):
+    result = run_bundle(spec_bundles["k2-ws2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout)["results"]
+    from tests.runtime.test_multirank import MAX_TOKENS as RUN_TOKENS, PROMPTS as RUN_PROMPTS
+    plain = greedy_for(RUN_PROMPTS, RUN_TOKENS)
+    assert [r["token_ids"] for r in results] == plain
+    assert all(r["tokens_per_step"] >= 1.0 for r in results)
+
+
+def test_the_server_speculates_under_continuous_batching(spec_bundles, reference):
+    """8 concurrent clients (the official openai client) on the k = 3 bundle get the plain greedy
+    tokens; usage reports tokens per step and /metrics the acceptance by draft position."""
+    import asyncio
+
+    import openai
+
+    from tests.runtime.serving import API_KEY, Served
+
+    served = Served(spec_bundles["k3-contexts"])
+    try:
+        async def one(client, i):
+            reply = await client.completions.create(model="k3-contexts", prompt=PROMPTS[i % 4], max_tokens=MAX_TOKENS, temperature=0,
+                                                    extra_body={"return_token_ids": True})
+            return reply.choices[0].token_ids, reply.usage
+
+        async def everyone():
+            client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+            return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+        replies = asyncio.run(asyncio.wait_for(everyone(), timeout=300))
+        assert [tokens for tokens, _ in replies] == [reference[i % 4] for i in range(8)]
+        assert all(usage.model_extra["tokens_per_step"] >= 1.0 for _, usage in replies)
+        drafted = served.metric('deepinfer_spec_decode_draft_tokens_total{position="0"}')
+        accepted = served.metric('deepinfer_spec_decode_accepted_tokens_total{position="0"}')
+        assert drafted > 0 and served.metric('deepinfer_spec_decode_acceptance_rate{position="0"}') == accepted / drafted
+    finally:
+        code, stderr = served.stop()
+    assert code == 0, stderr
+
+
+def greedy_for(prompts, max_tokens):
+    model = build_model(config=MTP_CONFIG, expert_overflow="always")
+    return [r.token_ids for r in eager_engine(model).generate([Request(p, max_tokens) for p in prompts])]
+
+
+def test_a_recipe_without_an_mtp_module_is_refused(tmp_path):
+    recipe = write_recipe(tmp_path, speculative={"method": "mtp", "num_tokens": 3})
+    with pytest.raises(RecipeError, match="speculative.method: the model has no MTP module.*num_nextn_predict_layers"):
+        load_recipe(recipe)
+    recipe = write_recipe(tmp_path, model={"config": MTP_CONFIG}, speculative={"method": "mtp", "num_tokens": 6})
+    with pytest.raises(RecipeError, match="speculative.num_tokens: 6: draft tokens per step, 1 to 5"):
+        load_recipe(recipe)
+
+
+def test_a_checkpoint_without_its_mtp_weights_is_refused_naming_the_tensor(tmp_path):
+    from deepinfer.models import CheckpointError
+    from tests.models.hf_tiny import tiny_hf_checkpoint
+
+    _, directory = tiny_hf_checkpoint(tmp_path / "hf", seed=1)  # (transformers saves no MTP layer)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    recipe = write_recipe(tmp_path, model={"checkpoint": str(directory), "config": None},
+                          speculative={"method": "mtp", "num_tokens": 2}, backend={"name": "export"})
+    with pytest.raises(CheckpointError, match="weight 'model.layers.3.enorm.weight' is missing"):
+        compile_recipe(load_recipe(recipe), cache_dir=tmp_path / "cache", progress=False)

@@ -1,0 +1,264 @@
+"""Trains the tiny DeepSeek-V3 of `checkpoints/tiny-v3-code`, with its multi-token prediction
+(MTP) module, on the Python standard library's own sources: text every machine has.
+
+    .venv/bin/python tools/train_tiny.py                      # writes checkpoints/tiny-v3-code
+    .venv/bin/python tools/train_tiny.py --steps 20 --out /tmp/x   # a quick look
+
+Deterministic from `--seed` on a given Python (the corpus is this interpreter's stdlib):
+  1. corpus: every `*.py` under sysconfig's stdlib path (not site-packages), sorted; one file in
+     20 (by a hash of its path) is held out for evaluation;
+  2. tokenizer: byte-level BPE trained by `tokenizers` on the training files;
+  3. model: the project's own DeepseekV3 modules (models/deepseek_v3.py), so the weights mean
+     exactly what the compiler and runtime compute. A batch is one span of `--length` tokens of
+     the concatenated files (packed, GPT-style), run as one prefill of one sequence slot: causal
+     attention, in the matrix products prefill compiles to;
+  4. loss: next-token cross-entropy + lambda x the MTP module's, averaged over the chained
+     draft depths it is trained for (DeepSeek-V3 report section 2.2; depth d joins h'_{d-1} with
+     the token d ahead and predicts the one after); routers balanced without an auxiliary loss,
+     by nudging each expert's selection bias against its load (the report's section 2.1.2);
+  5. output: an HF-format checkpoint in DeepSeek's names (the MTP module as layer
+     num_hidden_layers), bfloat16 weights, tokenizer.json, tokenizer_config.json (with a chat
+     template) and generation_config.json.
+
+It prints the loss curve and, on held-out files, the main model's and the MTP module's top-1
+accuracy at each draft depth.
+"""
+
+import argparse
+import json
+import math
+import sysconfig
+import time
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from deepinfer.models import build_model
+from deepinfer.models.deepseek_v3 import checkpoint_keys
+
+EOS = "<|endoftext|>"
+CONFIG = {
+    "vocab_size": 2048,
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 8,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 96,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 2048,
+    "num_nextn_predict_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '# ' + m['role'] + ':\\n' + m['content'] + '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}")
+
+
+def corpus() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of this interpreter's stdlib sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    held_out = [p for p in files if zlib.crc32(str(p.relative_to(root)).encode()) % 20 == 0]
+    return [p for p in files if p not in set(held_out)], held_out
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((read(p) for p in files), trainer)
+    return tokenizer
+
+
+def token_stream(tokenizer: Tokenizer, files: list[Path]) -> torch.Tensor:
+    """Every file's tokens, each followed by EOS, as one int64 tensor."""
+    eos = tokenizer.token_to_id(EOS)
+    ids = []
+    for encoding in tokenizer.encode_batch([read(p) for p in files]):
+        ids.extend(encoding.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def init_for_training(model, seed: int):
+    """Small normal weights (std 0.02; output projections scaled down by depth), norms 1,
+    selection biases 0; parameters trainable except the biases (moved by load, not gradient)."""
+    generator = torch.Generator().manual_seed(seed)
+    depth = 2 * (len(model.layers) + len(model.mtp))
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                param.zero_()
+            else:
+                std = 0.02 / math.sqrt(depth) if name.endswith(("o_proj.weight", "down_proj.weight", "experts_down")) else 0.02
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.endswith("e_score_correction_bias"))
+    return model
+
+
+class Model:
+    """The training forward over a batch [B, T] of token windows, through the model's modules."""
+
+    def __init__(self, model):
+        self.m = model
+        self.loads = []  # per router call: expert ids [N, k]
+        for module in model.modules():
+            if type(module).__name__ == "Router":
+                module.register_forward_hook(lambda mod, args, out: self.loads.append((mod, out[1])))
+
+    def forward(self, tokens: torch.Tensor, depths: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens [T] -> main logits [T, V] and, per MTP depth d, logits [T, V] whose row i predicts t_{i+d+1}."""
+        m, T = self.m, tokens.numel()
+        positions, slots, read_slot = torch.arange(T), torch.zeros(T, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+
+        def pool():
+            return torch.zeros(1, T, m.config.kv_cache_dim)
+
+        h, pending, cos, sin = m.embed(tokens, positions)
+        for layer in m.layers:  # (as DeepseekV3.prefill, with fresh caches)
+            h, pending = layer(h, pending, cos, sin, positions, slots, read_slot, pool())
+        hidden = m.head.norm(h + pending)
+        logits = m.head.lm_head(hidden)
+        drafts = []
+        for d in range(1, depths + 1):  # row i: h_i (then h'_i), with the token d ahead
+            ahead = torch.cat([tokens[d:], tokens[-1:].expand(d)])  # (past the end: padding)
+            h, pending = m.mtp[0].run(ahead, positions, hidden, slots, read_slot, pool())
+            hidden = h + pending
+            drafts.append(m.mtp[0].shared_head(h, pending))
+        return logits, drafts
+
+    def balance_routers(self, rate: float):
+        """Aux-loss-free balancing: each expert's selection bias moves against its load."""
+        with torch.no_grad():
+            for router, ids in self.loads:
+                load = torch.bincount(ids.reshape(-1), minlength=router.e_score_correction_bias.numel()).float()
+                router.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+        self.loads.clear()
+
+
+def losses(logits, drafts, tokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    T = tokens.numel()
+    main = F.cross_entropy(logits[:-1], tokens[1:])
+    mtp = [F.cross_entropy(x[: T - d - 1], tokens[d + 1 :]) for d, x in enumerate(drafts, start=1)]
+    return main, mtp
+
+
+def span(stream: torch.Tensor, length: int, generator: torch.Generator) -> torch.Tensor:
+    start = torch.randint(0, stream.numel() - length, (1,), generator=generator).item()
+    return stream[start : start + length]
+
+
+@torch.no_grad()
+def evaluate(model: Model, stream: torch.Tensor, depths: int, batches: int, length: int) -> dict:
+    """Held-out loss and top-1 accuracy of the main head and of each MTP depth."""
+    generator = torch.Generator().manual_seed(1234)
+    correct, total, loss = [0] * (depths + 1), [0] * (depths + 1), 0.0
+    for _ in range(batches):
+        tokens = span(stream, length, generator)
+        logits, drafts = model.forward(tokens, depths)
+        loss += losses(logits, drafts, tokens)[0].item() / batches
+        for d, x in enumerate([logits, *drafts]):
+            hit = x[: length - d - 1].argmax(-1) == tokens[d + 1 :]
+            correct[d] += hit.sum().item()
+            total[d] += hit.numel()
+        model.loads.clear()
+    return {"loss": loss, "top1": [c / t for c, t in zip(correct, total)]}
+
+
+def save_checkpoint(out: Path, model, tokenizer: Tokenizer, config: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.token_to_id(EOS)
+    tensors = {}
+    for name, param in model.m.named_parameters():
+        keys = checkpoint_keys(name, model.m.config, tuple(param.shape))
+        parts = param.detach().reshape(-1, *keys[0][1]) if len(keys) > 1 else [param.detach()]
+        dtype = torch.float32 if name.endswith(("gate.weight", "e_score_correction_bias")) else torch.bfloat16
+        for (key, _), part in zip(keys, parts):
+            tensors[key] = part.to(dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **config,
+                 "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS, "eos_token": EOS,
+        "model_max_length": config["max_position_embeddings"], "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}, indent=2) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="checkpoints/tiny-v3-code")
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--length", type=int, default=2048)  # tokens a step
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--mtp-weight", type=float, default=0.3)  # lambda
+    parser.add_argument("--mtp-depths", type=int, default=2)  # chained draft depths the MTP module trains for
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+
+    train_files, held_out = corpus()
+    tokenizer = train_tokenizer(train_files, CONFIG["vocab_size"])
+    train, test = token_stream(tokenizer, train_files), token_stream(tokenizer, held_out)
+    print(f"corpus: {len(train_files)} files, {train.numel():,} tokens; held out {len(held_out)} files, "
+          f"{test.numel():,} tokens ({time.perf_counter() - start:.0f} s)")
+
+    net = build_model(config=CONFIG, expert_overflow="always", mtp=True)
+    model = Model(init_for_training(net, args.seed))
+    params = [p for p in net.parameters() if p.requires_grad]
+    print(f"model: {sum(p.numel() for p in net.parameters()):,} parameters ({sum(p.numel() for p in net.mtp.parameters()):,} MTP)")
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(
+        math.pi * min(1.0, s / args.steps)))))
+    generator = torch.Generator().manual_seed(args.seed)
+    for step in range(1, args.steps + 1):
+        tokens = span(train, args.length, generator)
+        logits, drafts = model.forward(tokens, args.mtp_depths)
+        main_loss, mtp_losses = losses(logits, drafts, tokens)
+        loss = main_loss + args.mtp_weight * sum(mtp_losses) / len(mtp_losses)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        model.balance_routers(1e-3)
+        if step % 50 == 0 or step == 1:
+            print(f"step {step:5d}  loss {main_loss.item():.3f}  mtp " + " ".join(f"{x.item():.3f}" for x in mtp_losses)
+                  + f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    net.eval()
+    result = evaluate(model, test, args.mtp_depths, 8, args.length)
+    print(f"held out: loss {result['loss']:.3f}, top-1 main {result['top1'][0]:.3f}, MTP by depth "
+          + " ".join(f"{a:.3f}" for a in result["top1"][1:]))
+    save_checkpoint(Path(args.out), model, tokenizer, CONFIG)
+    print(f"wrote {args.out} ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

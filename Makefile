@@ -1,6 +1,6 @@
-# make demo   set up, compile the tiny recipe with AOTInductor and the tiny V4 one with export, generate from both
+# make demo   set up, compile the trained tiny V3 (speculative decoding on) with AOTInductor and the tiny V4 with export, generate from both
 # make test   set up, then run the whole suite
-# make serve  serve artifacts/tiny (compiled first if absent) over OpenAI's HTTP API on 127.0.0.1:8000
+# make serve  serve artifacts/tiny-code (compiled first if absent) over OpenAI's HTTP API on 127.0.0.1:8000
 # make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,8 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/deepinfer-compile recipes/tiny.yaml
-	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny --prompt "Hello, DeepSeek!" --max-tokens 24
+	$(VENV)/bin/deepinfer-compile recipes/tiny-code.yaml
+	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-code --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0.5 --seed 1
 	$(VENV)/bin/deepinfer-compile recipes/tiny-v4.yaml --backend export
 	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-v4 --prompt "Hello, DeepSeek-V4!" --max-tokens 24
 
@@ -28,8 +28,8 @@ test: setup
 	$(PY) -m pytest -q
 
 serve: setup
-	test -f artifacts/tiny/manifest.json || $(VENV)/bin/deepinfer-compile recipes/tiny.yaml
-	$(VENV)/bin/deepinfer-serve --bundle artifacts/tiny
+	test -f artifacts/tiny-code/manifest.json || $(VENV)/bin/deepinfer-compile recipes/tiny-code.yaml
+	$(VENV)/bin/deepinfer-serve --bundle artifacts/tiny-code
 
 compile-all: setup
 	@status=0; for recipe in recipes/*.yaml; do \

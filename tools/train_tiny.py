@@ -9,9 +9,9 @@ Deterministic from `--seed` on a given Python (the corpus is this interpreter's 
      20 (by a hash of its path) is held out for evaluation;
   2. tokenizer: byte-level BPE trained by `tokenizers` on the training files;
   3. model: the project's own DeepseekV3 modules (models/deepseek_v3.py), so the weights mean
-     exactly what the compiler and runtime compute. A batch is one span of `--length` tokens of
-     the concatenated files (packed, GPT-style), run as one prefill of one sequence slot: causal
-     attention, in the matrix products prefill compiles to;
+     exactly what the compiler and runtime compute. A step is `--spans` spans of `--length` tokens
+     of the concatenated files (packed, GPT-style), each run as one prefill of one sequence slot:
+     causal attention, in the matrix products prefill compiles to;
   4. loss: next-token cross-entropy + lambda x the MTP module's, averaged over the chained
      draft depths it is trained for (DeepSeek-V3 report section 2.2; depth d joins h'_{d-1} with
      the token d ahead and predicts the one after); routers balanced without an auxiliary loss,
@@ -201,6 +201,7 @@ def save_checkpoint(out: Path, model, tokenizer: Tokenizer, config: dict):
             tensors[key] = part.to(dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf_config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **config,
+                 "num_key_value_heads": config["num_attention_heads"],  # (MLA: every head reads the latent, as V3's release says)
                  "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
@@ -214,7 +215,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="checkpoints/tiny-v3-code")
     parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--length", type=int, default=2048)  # tokens a step
+    parser.add_argument("--length", type=int, default=512)  # tokens a span
+    parser.add_argument("--spans", type=int, default=4)  # spans a step
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mtp-weight", type=float, default=0.3)  # lambda
     parser.add_argument("--mtp-depths", type=int, default=2)  # chained draft depths the MTP module trains for
@@ -232,19 +234,21 @@ def main():
     net = build_model(config=CONFIG, expert_overflow="always", mtp=True)
     model = Model(init_for_training(net, args.seed))
     params = [p for p in net.parameters() if p.requires_grad]
-    print(f"model: {sum(p.numel() for p in net.parameters()):,} parameters ({sum(p.numel() for p in net.mtp.parameters()):,} MTP)")
+    mtp_only = sum(p.numel() for name, p in net.named_parameters() if name.startswith("mtp."))
+    print(f"model: {sum(p.numel() for p in net.parameters()):,} parameters ({mtp_only:,} in the MTP module)")
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(
         math.pi * min(1.0, s / args.steps)))))
     generator = torch.Generator().manual_seed(args.seed)
     for step in range(1, args.steps + 1):
-        tokens = span(train, args.length, generator)
-        logits, drafts = model.forward(tokens, args.mtp_depths)
-        main_loss, mtp_losses = losses(logits, drafts, tokens)
-        loss = main_loss + args.mtp_weight * sum(mtp_losses) / len(mtp_losses)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for _ in range(args.spans):  # (gradients accumulate: attention costs the square of a span)
+            tokens = span(train, args.length, generator)
+            logits, drafts = model.forward(tokens, args.mtp_depths)
+            main_loss, mtp_losses = losses(logits, drafts, tokens)
+            loss = main_loss + args.mtp_weight * sum(mtp_losses) / len(mtp_losses)
+            (loss / args.spans).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
@@ -253,7 +257,7 @@ def main():
             print(f"step {step:5d}  loss {main_loss.item():.3f}  mtp " + " ".join(f"{x.item():.3f}" for x in mtp_losses)
                   + f"  ({time.perf_counter() - start:.0f} s)", flush=True)
     net.eval()
-    result = evaluate(model, test, args.mtp_depths, 8, args.length)
+    result = evaluate(model, test, args.mtp_depths, 32, args.length)
     print(f"held out: loss {result['loss']:.3f}, top-1 main {result['top1'][0]:.3f}, MTP by depth "
           + " ".join(f"{a:.3f}" for a in result["top1"][1:]))
     save_checkpoint(Path(args.out), model, tokenizer, CONFIG)

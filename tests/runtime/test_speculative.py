@@ -132,6 +132,19 @@ def test_compiled_speculation_gives_the_tokens_of_plain_decoding(spec_bundles, r
     assert sampled[0] == sampled[1] and len(sampled[0]) == 12
 
 
+def test_an_aotinductor_bundle_speculates_losslessly(tmp_path_factory, cache_dir, reference):
+    """AOTInductor regions (the main model's at decode 4 = 1 sequence x (k + 1) rows and prefill 16
+    are the session's own inductor bundle's, from the cache; the head and MTP regions are new)."""
+    from tests.conftest import INDUCTOR_METHODS
+
+    work = tmp_path_factory.mktemp("speculative-inductor")
+    recipe = write_recipe(work, "k3-inductor", model={"config": MTP_CONFIG},
+                          methods={"decode": {"buckets": [1]}, "prefill": INDUCTOR_METHODS["prefill"]},
+                          backend={"name": "inductor"}, speculative={"method": "mtp", "num_tokens": 3})
+    engine = Engine.for_bundle(BundleExecutor(compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle))
+    assert greedy(engine) == reference and engine.drafted[0] > 0
+
+
 def test_speculation_at_world_size_2(spec_bundles, reference):
     result = run_bundle(spec_bundles["k2-ws2"])
     assert result.returncode == 0, result.stderr[-3000:]

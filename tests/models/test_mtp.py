@@ -1,0 +1,79 @@
+"""The trained tiny DeepSeek-V3 (checkpoints/tiny-v3-code): our MTP module's draft logits equal an
+independent formula -- transformers' own decoder layer loaded with the checkpoint's MTP block,
+fed DeepSeek's h'_q = block(eh_proj([enorm(embed(t_{q+1})); hnorm(h_q)])) with h from
+transformers' main model -- and the main model matches transformers' logits."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deepinfer.models import build_model
+
+transformers = pytest.importorskip("transformers")
+
+CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-v3-code"
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+def rms_norm(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_the_mtp_module_matches_an_independent_formula():
+    from tokenizers import Tokenizer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    ids = Tokenizer.from_file(str(CHECKPOINT / "tokenizer.json")).encode(PROMPT).ids
+    T = len(ids)
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(CHECKPOINT, torch_dtype=torch.float32).eval()
+    hf.config._attn_implementation = "eager"
+    config = hf.config
+    n = config.num_hidden_layers
+    raw = {k: v.float() for k, v in load_file(CHECKPOINT / "model.safetensors").items()}
+    mtp = {k.removeprefix(f"model.layers.{n}."): v for k, v in raw.items() if k.startswith(f"model.layers.{n}.")}
+
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        main = hf(tokens, output_hidden_states=True)
+        h = main.hidden_states[-1][0]  # [T, D], after the final norm
+        # Row q (0 .. T-2): the main hidden state at q and the token at q + 1, at position q.
+        embedded = hf.model.embed_tokens(tokens[0, 1:])
+        embedded[0] = 0.0  # (position 0, as vLLM's deepseek_mtp)
+        x = torch.cat([rms_norm(embedded, mtp["enorm.weight"], config.rms_norm_eps),
+                       rms_norm(h[:-1], mtp["hnorm.weight"], config.rms_norm_eps)], dim=-1) @ mtp["eh_proj.weight"].T
+        block = DeepseekV3DecoderLayer(config, layer_idx=n).eval()
+        weights = {k: v for k, v in mtp.items() if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "mlp.experts."))}
+        experts = range(config.n_routed_experts)  # (transformers keeps them fused: [E, 2I, D] gate then up, [E, D, I])
+        weights["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([mtp[f"mlp.experts.{e}.gate_proj.weight"], mtp[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
+        weights["mlp.experts.down_proj"] = torch.stack([mtp[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+        block.load_state_dict(weights)
+        positions = torch.arange(T - 1)[None]
+        causal = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
+        out = block(x[None], attention_mask=causal, position_ids=positions,
+                    position_embeddings=hf.model.rotary_emb(x[None], positions))[0]
+        expected = rms_norm(out, mtp["shared_head.norm.weight"], config.rms_norm_eps) @ mtp["shared_head.head.weight"].T
+
+    ours = build_model(checkpoint=CHECKPOINT, dtype="float32", expert_overflow="always", mtp=True)
+    state = ours.new_state(1, 256)
+    slot = torch.zeros(T, dtype=torch.long)
+    with torch.no_grad():
+        logits = ours.prefill(tokens[0], torch.arange(T), slot, slot[:1], torch.tensor([T - 1]), state)
+        assert torch.allclose(logits[0], main.logits[0, -1], atol=1e-4, rtol=1e-4)
+        # One draft step over the prompt's tokens 1 .. T-1 (the MTP module at positions 0 .. T-2).
+        drafts = ours.draft(tokens[0, 1:], torch.arange(1, T), slot[1:], state)
+    assert torch.allclose(drafts, expected, atol=1e-4, rtol=1e-4), (drafts - expected).abs().max()
+    # A trained module: its draft agrees with the main model's own next-next token often.
+    agree = (drafts.argmax(-1) == main.logits[0, 1:].argmax(-1)).float().mean()
+    assert agree > 0.3, agree
+
+
+def test_the_checkpoint_is_what_the_issue_asks():
+    config = json.loads((CHECKPOINT / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["model_type"] == "deepseek_v3"
+    assert sum(p.stat().st_size for p in CHECKPOINT.iterdir()) < 12 << 20
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (CHECKPOINT / name).is_file()

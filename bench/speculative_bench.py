@@ -85,16 +85,16 @@ async def one_request(client, model: str, prompt: list[int]) -> dict:
 
 async def round_at(url: str, model: str, prompts: list[list[int]], concurrency: int) -> tuple[list[float], float]:
     """Every prompt once, `concurrency` at a time -> (each request's TPOT, output tokens/s)."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     queue, results = list(prompts), []
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+        async def worker():
+            while queue:
+                results.append(await one_request(client, model, queue.pop()))
 
-    async def worker():
-        while queue:
-            results.append(await one_request(client, model, queue.pop()))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return [r["tpot"] for r in results], sum(r["tokens"] for r in results) / (time.perf_counter() - start)
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    return [r["tpot"] for r in results], sum(r["tokens"] for r in results) / seconds
 
 
 def speed(bundles: dict[str, Path], prompts: list[list[int]], k: int):

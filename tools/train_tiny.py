@@ -30,7 +30,6 @@ import math
 import sysconfig
 import time
 import zlib
-from dataclasses import replace
 from pathlib import Path
 
 import torch

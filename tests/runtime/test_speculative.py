@@ -15,7 +15,7 @@ from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.sampling import SamplingParams, probabilities, verify_drafts
 from tests.conftest import write_recipe
-from tests.runtime.test_multirank import run_bundle
+from tests.runtime.test_multirank import MAX_TOKENS as RUN_TOKENS, PROMPTS as RUN_PROMPTS, run_bundle
 
 # Prompts over one and two prefill chunks (16, 64), and a one-token prompt.
 PROMPTS = [[5, 6, 7], list(range(20, 56)), list(range(100, 180)), [9]]
@@ -149,9 +149,7 @@ def test_speculation_at_world_size_2(spec_bundles, reference):
     result = run_bundle(spec_bundles["k2-ws2"])
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout)["results"]
-    from tests.runtime.test_multirank import MAX_TOKENS as RUN_TOKENS, PROMPTS as RUN_PROMPTS
-    plain = greedy_for(RUN_PROMPTS, RUN_TOKENS)
-    assert [r["token_ids"] for r in results] == plain
+    assert [r["token_ids"] for r in results] == greedy_for(RUN_PROMPTS, RUN_TOKENS)
     assert all(r["tokens_per_step"] >= 1.0 for r in results)
 
 

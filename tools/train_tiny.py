@@ -2,7 +2,7 @@
 (MTP) module, on the Python standard library's own sources: text every machine has.
 
     .venv/bin/python tools/train_tiny.py                      # writes checkpoints/tiny-v3-code
-    .venv/bin/python tools/train_tiny.py --steps 20 --out /tmp/x   # a quick look
+    .venv/bin/python tools/train_tiny.py --files 40 --steps 2 --out /tmp/x   # a quick look
 
 Deterministic from `--seed` on a given Python (the corpus is this interpreter's stdlib):
   1. corpus: every `*.py` under sysconfig's stdlib path (not site-packages), sorted; one file in
@@ -220,11 +220,14 @@ def main():
     parser.add_argument("--mtp-weight", type=float, default=0.3)  # lambda
     parser.add_argument("--mtp-depths", type=int, default=2)  # chained draft depths the MTP module trains for
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--files", type=int, default=None, help="train on the first N files only (a quick look)")
+    parser.add_argument("--eval-spans", type=int, default=32)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     start = time.perf_counter()
 
     train_files, held_out = corpus()
+    train_files = train_files[: args.files]
     tokenizer = train_tokenizer(train_files, CONFIG["vocab_size"])
     train, test = token_stream(tokenizer, train_files), token_stream(tokenizer, held_out)
     print(f"corpus: {len(train_files)} files, {train.numel():,} tokens; held out {len(held_out)} files, "
@@ -256,7 +259,7 @@ def main():
             print(f"step {step:5d}  loss {main_loss.item():.3f}  mtp " + " ".join(f"{x.item():.3f}" for x in mtp_losses)
                   + f"  ({time.perf_counter() - start:.0f} s)", flush=True)
     net.eval()
-    result = evaluate(model, test, args.mtp_depths, 32, args.length)
+    result = evaluate(model, test, args.mtp_depths, args.eval_spans, args.length)
     print(f"held out: loss {result['loss']:.3f}, top-1 main {result['top1'][0]:.3f}, MTP by depth "
           + " ".join(f"{a:.3f}" for a in result["top1"][1:]))
     save_checkpoint(Path(args.out), model, tokenizer, CONFIG)

@@ -77,3 +77,18 @@ def test_the_checkpoint_is_what_the_issue_asks():
     assert sum(p.stat().st_size for p in CHECKPOINT.iterdir()) < 12 << 20
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (CHECKPOINT / name).is_file()
+
+
+def test_the_training_script_runs_and_writes_a_checkpoint_we_load(tmp_path):
+    """A few steps on a few files (training for real never runs in the tests)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "ckpt"
+    script = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
+    result = subprocess.run([sys.executable, str(script), "--files", "30", "--steps", "2", "--length", "64", "--spans", "1",
+                             "--eval-spans", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held out: loss" in result.stdout and "MTP by depth" in result.stdout
+    model = build_model(checkpoint=out, expert_overflow="always", mtp=True)
+    assert len(model.mtp) == 1 and model.config.vocab_size == 2048

@@ -29,7 +29,7 @@ from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.eager import eager_engine
 from deepinfer.compiler.recipe import load_recipe
 from deepinfer.models import build_model
-from deepinfer.runtime.engine import Request
+from deepinfer.runtime.engine import Request, tokens_per_step
 from deepinfer.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def acceptance(checkpoint: Path, prompts: list[list[int]]):
     for k, sampling in runs:
         engine = eager_engine(model, prefill_buckets=(64,), decode_buckets=(1, 4), max_len=256, speculative=k)
         results = engine.generate([Request(p, OUTPUT_LEN, sampling, ignore_eos=True) for p in prompts])
-        per_step = sum(len(r.token_ids) - 1 for r in results) / sum(r.decode_steps for r in results)
+        per_step = tokens_per_step(results)
         rates = " ".join(f"{a / d:.2f}" if d else "-" for a, d in zip(engine.accepted, engine.drafted))
         how = "greedy" if sampling.temperature == 0 else f"T {sampling.temperature}, top-p {sampling.top_p}"
         print(f"| {k} | {how} | {per_step:.2f} | {rates} |", flush=True)

@@ -10,6 +10,7 @@ Compiled bundles are checked against this.
 import click
 import torch
 
+from deepinfer.compiler.recipe import speculative_buckets
 from deepinfer.models import ARCHS, build_model
 from deepinfer.models.state import allocate, context_view
 from deepinfer.runtime.engine import Engine, Request
@@ -38,9 +39,9 @@ def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_
                  contexts: dict[str, list[int]] | None = None, speculative: int = 0) -> Engine:
     """`speculative`: draft tokens a step (the model needs its MTP module: build_model(mtp=True))."""
     executor = EagerExecutor(model, max_seqs, max_len)
-    verify = [b * (speculative + 1) for b in decode_buckets]
+    verify, draft = speculative_buckets(list(decode_buckets), speculative) if speculative else (decode_buckets, ())
     return Engine(executor, prefill_buckets, verify, max_seqs, max_len, model.config.eos_token_id, contexts=contexts,
-                  speculative=speculative, draft_buckets=sorted({*decode_buckets, *verify}) if speculative else ())
+                  speculative=speculative, draft_buckets=draft)
 
 
 @click.command()

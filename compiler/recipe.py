@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from deepinfer.models import QUANTIZED_WEIGHTS, model_config
+from deepinfer.models import QUANTIZED_WEIGHTS, model_config, mtp_problem
 from deepinfer.models.moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from deepinfer.runtime.errors import DeepinferError
 
@@ -51,17 +51,22 @@ class Recipe:
         sequence's last token and its drafts (B (k + 1) rows for a bucket of B sequences), and
         draft steps run the MTP module over the tokens a verify step just accepted (up to
         B (k + 1) rows) or over one draft per sequence (B rows)."""
-        k = self.speculative
-        if not k:
+        if not self.speculative:
             return self.buckets
-        verify = [b * (k + 1) for b in self.buckets["decode"]]
-        return {"prefill": self.buckets["prefill"], "decode": verify, "draft": sorted({*self.buckets["decode"], *verify})}
+        verify, draft = speculative_buckets(self.buckets["decode"], self.speculative)
+        return {"prefill": self.buckets["prefill"], "decode": verify, "draft": draft}
 
     def program_contexts(self) -> dict[str, list[int]]:
         """Context buckets per traced method: draft steps take the decode steps'."""
         if self.speculative and "decode" in self.contexts:
             return {**self.contexts, "draft": self.contexts["decode"]}
         return self.contexts
+
+
+def speculative_buckets(decode: list[int], k: int) -> tuple[list[int], list[int]]:
+    """(verify, draft) buckets in rows for decode buckets of B sequences and k draft tokens."""
+    verify = [b * (k + 1) for b in decode]
+    return verify, sorted({*decode, *verify})
 
 
 # key -> (type, default); a dict value is a nested section; REQUIRED marks keys without a default.
@@ -219,11 +224,9 @@ def _speculative(section: dict, config, fail) -> int:
     if k is None or not 1 <= k <= MAX_DRAFT_TOKENS:
         fail("speculative.num_tokens", f"{k!r}: draft tokens per step, 1 to {MAX_DRAFT_TOKENS} (past the checkpoint's MTP "
              "modules the last one drafts again from its own output).")
-    if not hasattr(config, "mtp"):
-        fail("speculative.method", f"MTP speculative decoding is not built for {type(config).__name__} yet.")
-    if not config.num_nextn_predict_layers:
-        fail("speculative.method", "the model has no MTP module to draft with (its config says num_nextn_predict_layers: "
-             "0 or nothing): use a checkpoint that has one (DeepSeek-V3's release does), or leave speculative out.")
+    problem = mtp_problem(config)
+    if problem:
+        fail("speculative.method", problem)
     return k
 
 

@@ -109,10 +109,9 @@ def build_model(
         raise ConfigError(f"model.expert_overflow={expert_overflow!r}: choose one of {list(OVERFLOW_FORMS)}.")
     cfg = replace(cfg, expert_capacity=expert_capacity, expert_overflow=expert_overflow)
     if mtp:
-        if not getattr(cfg, "num_nextn_predict_layers", 0):
-            raise ConfigError(f"{checkpoint or 'model.config'}: num_nextn_predict_layers is 0 or absent: the model has no "
-                              "multi-token prediction (MTP) modules to draft with. Use a checkpoint that has them "
-                              "(DeepSeek-V3's release has one), or turn speculative decoding off.")
+        problem = mtp_problem(cfg)
+        if problem:
+            raise ConfigError(f"{checkpoint or 'model.config'}: {problem}")
         cfg = replace(cfg, mtp=True)
     if layout.world_size > 1 and device == "cpu":
         raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
@@ -134,6 +133,17 @@ def build_model(
     if device == "cpu" and weights is None:
         ARCHS[arch].init_random(model, seed)
     return model.eval().requires_grad_(False)
+
+
+def mtp_problem(config) -> str | None:
+    """Why this model cannot draft with multi-token prediction (MTP) modules, or None."""
+    if not hasattr(config, "mtp"):
+        return (f"MTP speculative decoding is not built for {type(config).__name__} yet; leave the recipe's "
+                "speculative section out for this model.")
+    if not config.num_nextn_predict_layers:
+        return ("the model has no MTP module to draft with (its config says num_nextn_predict_layers: 0 or nothing): "
+                "use a checkpoint that has one (DeepSeek-V3's release does), or leave speculative decoding off.")
+    return None
 
 
 def stored_dtype(model, name: str, dtype: torch.dtype) -> torch.dtype:
@@ -260,5 +270,5 @@ def _check_tensor(weights: SafetensorsDir, key: str, shape: tuple, param_dtype: 
     return scale_key
 
 
-__all__ = ["build_model", "check_checkpoint", "stored_dtype", "QUANTIZED_WEIGHTS", "model_config", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config",
+__all__ = ["build_model", "check_checkpoint", "mtp_problem", "stored_dtype", "QUANTIZED_WEIGHTS", "model_config", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config",
            "DeepseekV4", "DeepseekV4Config", "Layout", "LayoutError", "TINY_CONFIG", "TINY_V4_CONFIG", "DTYPES"]

@@ -56,14 +56,20 @@ class Result:
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens a decode step emitted, on average (1 without speculative decoding)."""
-        return (len(self.token_ids) - 1) / self.decode_steps if self.decode_steps else 0.0
+        return tokens_per_step([self])
 
     @property
     def tpot(self) -> float:
         """Mean seconds per output token after the first (0 with a single token)."""
         gaps = len(self.token_times) - 1
         return (self.token_times[-1] - self.token_times[0]) / gaps if gaps > 0 else 0.0
+
+
+def tokens_per_step(results: list[Result]) -> float:
+    """Tokens a decode step emitted, on average over `results` (the first token comes from the
+    prompt's prefill; 1 without speculative decoding)."""
+    steps = sum(r.decode_steps for r in results)
+    return sum(len(r.token_ids) - 1 for r in results) / steps if steps else 0.0
 
 
 @dataclass(eq=False)
@@ -240,8 +246,8 @@ class Engine:
         drafts, result = seq.drafts, seq.result
         try:
             tokens = verify_drafts(logits, drafts, seq.draft_probs, seq.request.sampling, seq.generator)
-        except RuntimeError as err:  # logits that are not numbers: this request fails, the others go on
-            result.finish_reason, result.error = "error", f"sampling failed: {str(err).splitlines()[0]}"
+        except RuntimeError as err:
+            _sampling_failed(result, err)
             return
         for j in range(len(drafts)):
             self.drafted[j] += 1
@@ -299,8 +305,8 @@ class Engine:
         """Sample the token after a prompt and emit it."""
         try:
             token = int(sample(logits[None], seq.request.sampling, seq.generator)[0])
-        except RuntimeError as err:  # logits that are not numbers: this request fails, the others go on
-            seq.result.finish_reason, seq.result.error = "error", f"sampling failed: {str(err).splitlines()[0]}"
+        except RuntimeError as err:
+            _sampling_failed(seq.result, err)
             return
         self._emit(seq, token)
         seq.unseen = 1
@@ -318,3 +324,8 @@ class Engine:
             result.finish_reason = "max_tokens"
         elif seq.length >= self.max_len:  # the next token would have no cache position
             result.finish_reason = "context"
+
+
+def _sampling_failed(result: Result, err: RuntimeError):
+    """Logits that are not numbers (NaN): this request fails, the others go on."""
+    result.finish_reason, result.error = "error", f"sampling failed: {str(err).splitlines()[0]}"

@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine import Request
+from ..engine import Request, tokens_per_step
 from ..errors import DeepinferError
 from ..tokenizer import bundle_tokenizer
 from .chat import ChatTemplate
@@ -352,9 +352,7 @@ class _Reply:
         completion = sum(len(ids) for ids in self.token_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.server.engine.speculative:  # tokens a decode step emitted (speculative decoding's gain)
-            results = [h.seq.result for h in self.handles if h.seq is not None]
-            steps = sum(r.decode_steps for r in results)
-            usage["tokens_per_step"] = sum(len(r.token_ids) - 1 for r in results) / steps if steps else 0.0
+            usage["tokens_per_step"] = tokens_per_step([h.seq.result for h in self.handles if h.seq is not None])
         return usage
 
 

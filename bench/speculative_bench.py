@@ -1,20 +1,24 @@
-"""MTP speculative decoding on the trained tiny DeepSeek-V3 (checkpoints/tiny-v3-code): how many
-tokens a decode step emits, and what that buys in time per token and tokens/s.
+"""MTP speculative decoding on the trained tiny DeepSeek-V3 (checkpoints/tiny-v3-code) or V4
+(tiny-v4-code): how many tokens a decode step emits, and what that buys in time per token and tokens/s.
 
-    .venv/bin/python bench/speculative_bench.py                  # inductor bundles: ~10 minutes cold
+    .venv/bin/python bench/speculative_bench.py                  # V3, inductor bundles: ~10 minutes cold
     .venv/bin/python bench/speculative_bench.py --backend export
+    .venv/bin/python bench/speculative_bench.py --checkpoint checkpoints/tiny-v4-code --backend export
 
 1. Acceptance (the eager model, greedy, and sampled at k = 3): on held-out code prompts -- the first PROMPT_LEN tokens of
    the stdlib files tools/train_tiny.py held out of training -- OUTPUT_LEN tokens each, for
    k = 1..5 draft tokens: tokens per decode step, and the acceptance rate by draft position.
 2. Speed (compiled bundles through deepinfer-serve, greedy, EOS ignored): speculation off and at
-   --k draft tokens, the two servers up side by side and measured in alternating rounds (this
-   machine is noisy), at concurrency 1 and 4: p50 time per output token and output tokens/s.
+   each --k (default 3 and 5) draft tokens, the servers up side by side and measured in
+   alternating rounds (this machine is noisy), at concurrency 1 and 4: p50 time per output token
+   and output tokens/s.
 Targets (the issue's): tokens per step >= 2 at k = 3; >= 1.5x output tokens/s at concurrency 1.
 """
 
 import argparse
 import asyncio
+import itertools
+import json
 import statistics
 import sys
 import tempfile
@@ -49,14 +53,18 @@ def code_prompts(checkpoint: Path) -> list[list[int]]:
     return [p[:PROMPT_LEN] for p in ids if len(p) >= PROMPT_LEN][:PROMPTS]
 
 
+def arch_of(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "config.json").read_text())["model_type"]
+
+
 def acceptance(checkpoint: Path, prompts: list[list[int]]):
-    model = build_model(checkpoint=checkpoint, dtype="float32", expert_overflow="always", mtp=True)
     print(f"\n1. acceptance: {len(prompts)} held-out code prompts of {PROMPT_LEN} tokens, {OUTPUT_LEN} tokens each\n")
     print("| k | sampling | tokens per step | acceptance by draft position |\n|---|---|---|---|")
     # Greedy text of a model this small repeats itself, which drafts predict well: sampled rows too.
     runs = [(k, SamplingParams()) for k in range(1, 6)] + [(3, SamplingParams(temperature=0.7, top_p=0.95))]
     for k, sampling in runs:
-        engine = eager_engine(model, prefill_buckets=(64,), decode_buckets=(1, 4), max_len=256, speculative=k)
+        model = build_model(arch_of(checkpoint), checkpoint=checkpoint, dtype="float32", expert_overflow="always", draft_tokens=k)
+        engine = eager_engine(model, prefill_buckets=(64,), decode_buckets=(1, 4), max_len=256)
         results = engine.generate([Request(p, OUTPUT_LEN, sampling, ignore_eos=True) for p in prompts])
         per_step = tokens_per_step(results)
         rates = " ".join(f"{a / d:.2f}" if d else "-" for a, d in zip(engine.accepted, engine.drafted))
@@ -66,7 +74,7 @@ def acceptance(checkpoint: Path, prompts: list[list[int]]):
 
 def compile_bundle(work: Path, checkpoint: Path, backend: str, k: int) -> Path:
     name = f"code-k{k}"
-    recipe = {"name": name, "model": {"checkpoint": str(checkpoint)}, "dtype": "float32",
+    recipe = {"name": name, "model": {"arch": arch_of(checkpoint), "checkpoint": str(checkpoint)}, "dtype": "float32",
               "methods": {"decode": {"buckets": [1, 4]}, "prefill": {"buckets": [64]}},
               "kv": {"max_seqs": 4, "max_len": 512}, "backend": {"name": backend}, "output": str(work / name)}
     if k:
@@ -101,7 +109,7 @@ async def round_at(url: str, model: str, prompts: list[list[int]], concurrency: 
     return [r["tpot"] for r in results], sum(r["tokens"] for r in results) / seconds
 
 
-def speed(bundles: dict[str, Path], prompts: list[list[int]], k: int):
+def speed(bundles: dict[str, Path], prompts: list[list[int]], ks: list[int]):
     servers = {name: start_server(bundle) for name, bundle in bundles.items()}
     try:
         for _, url in servers.values():
@@ -121,7 +129,7 @@ def speed(bundles: dict[str, Path], prompts: list[list[int]], k: int):
             for name, (tpots, rates) in samples.items():
                 table[concurrency, name] = (statistics.median(tpots) * 1e3, statistics.median(rates))
                 print(f"| {concurrency} | {name} | {table[concurrency, name][0]:.1f} | {table[concurrency, name][1]:.1f} |")
-        for concurrency in (1, 4):
+        for concurrency, k in itertools.product((1, 4), ks):
             off, on = table[concurrency, "code-k0"], table[concurrency, f"code-k{k}"]
             print(f"concurrency {concurrency}: k={k} gives {on[1] / off[1]:.2f}x output tokens/s, TPOT {on[0] / off[0]:.2f}x")
     finally:
@@ -134,12 +142,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "tiny-v3-code")
     parser.add_argument("--backend", default="inductor", choices=["inductor", "export"])
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--k", type=int, nargs="+", default=[3, 5], help="draft tokens of the bundles timed against none")
     args = parser.parse_args()
     prompts = code_prompts(args.checkpoint)
     acceptance(args.checkpoint, prompts)
     with tempfile.TemporaryDirectory(prefix="deepinfer-spec-bench-") as tmp:
-        bundles = {f"code-k{k}": compile_bundle(Path(tmp), args.checkpoint, args.backend, k) for k in (0, args.k)}
+        bundles = {f"code-k{k}": compile_bundle(Path(tmp), args.checkpoint, args.backend, k) for k in (0, *args.k)}
         speed(bundles, prompts, args.k)
 
 

@@ -81,7 +81,7 @@ def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
     m = recipe.model
     return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype,
                        device=device, layout=layout, quantized_weights=m["quantized_weights"], expert_capacity=m["expert_capacity"],
-                       expert_overflow=m["expert_overflow"], mtp=recipe.speculative > 0)
+                       expert_overflow=m["expert_overflow"], draft_tokens=recipe.speculative)
 
 
 def recipe_layout(recipe: Recipe) -> Layout:

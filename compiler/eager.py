@@ -36,12 +36,13 @@ class EagerExecutor:
 
 
 def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_seqs=4, max_len=256,
-                 contexts: dict[str, list[int]] | None = None, speculative: int = 0) -> Engine:
-    """`speculative`: draft tokens a step (the model needs its MTP module: build_model(mtp=True))."""
+                 contexts: dict[str, list[int]] | None = None) -> Engine:
+    """Speculative decoding drafts as many tokens a step as the model was built for (build_model(draft_tokens=k))."""
     executor = EagerExecutor(model, max_seqs, max_len)
-    verify, draft = speculative_buckets(list(decode_buckets), speculative) if speculative else (decode_buckets, ())
-    return Engine(executor, prefill_buckets, verify, max_seqs, max_len, model.config.eos_token_id, contexts=contexts,
-                  speculative=speculative, draft_buckets=draft)
+    speculative = getattr(model.config, "draft_tokens", 0)
+    rows = speculative_buckets(list(decode_buckets), speculative)
+    return Engine(executor, prefill_buckets, rows, max_seqs, max_len, model.config.eos_token_id, contexts=contexts,
+                  speculative=speculative)
 
 
 @click.command()

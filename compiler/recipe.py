@@ -48,13 +48,13 @@ class Recipe:
 
     def program_buckets(self) -> dict[str, list[int]]:
         """The traced programs' buckets, in rows. With k draft tokens a decode step verifies each
-        sequence's last token and its drafts (B (k + 1) rows for a bucket of B sequences), and
-        draft steps run the MTP module over the tokens a verify step just accepted (up to
-        B (k + 1) rows) or over one draft per sequence (B rows)."""
+        sequence's last token and its drafts (B (k + 1) rows for a bucket of B sequences), and a
+        draft step takes the same rows: each sequence's tokens the MTP module has not seen (at
+        most k + 1), then drafts k tokens in the same program."""
         if not self.speculative:
             return self.buckets
-        verify, draft = speculative_buckets(self.buckets["decode"], self.speculative)
-        return {"prefill": self.buckets["prefill"], "decode": verify, "draft": draft}
+        rows = speculative_buckets(self.buckets["decode"], self.speculative)
+        return {"prefill": self.buckets["prefill"], "decode": rows, "draft": rows}
 
     def program_contexts(self) -> dict[str, list[int]]:
         """Context buckets per traced method: draft steps take the decode steps'."""
@@ -63,10 +63,9 @@ class Recipe:
         return self.contexts
 
 
-def speculative_buckets(decode: list[int], k: int) -> tuple[list[int], list[int]]:
-    """(verify, draft) buckets in rows for decode buckets of B sequences and k draft tokens."""
-    verify = [b * (k + 1) for b in decode]
-    return verify, sorted({*decode, *verify})
+def speculative_buckets(decode: list[int], k: int) -> list[int]:
+    """The verify and draft steps' buckets in rows, for decode buckets of B sequences and k draft tokens."""
+    return [b * (k + 1) for b in decode]
 
 
 # key -> (type, default); a dict value is a nested section; REQUIRED marks keys without a default.

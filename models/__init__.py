@@ -83,15 +83,15 @@ def build_model(
     quantized_weights: str = "keep",
     expert_capacity: float = DEFAULT_CAPACITY,
     expert_overflow: str = "branch",
-    mtp: bool = False,
+    draft_tokens: int = 0,
 ) -> DeepseekV3 | DeepseekV4:
     """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
 
     A checkpoint with fp8 weights (quantization_config) keeps them fp8 (`quantized_weights`
     "keep": models/quantization.py) or is dequantized to `dtype` as it is read ("dequantize").
     `expert_capacity`, `expert_overflow`: the grouped routed experts' capacity and overflow form
-    (models/moe.py). `mtp`: build and read the checkpoint's multi-token prediction modules
-    (speculative decoding's drafter).
+    (models/moe.py). `draft_tokens`: speculative decoding's drafts per step; above 0 the
+    checkpoint's multi-token prediction modules (the drafter) are built and read.
 
     device="meta" or "fake" builds shapes only: nothing is allocated and no weights are read.
     "fake" gives FakeTensors on the CPU (from one FakeTensorMode, `model.embed.weight.fake_mode`),
@@ -108,11 +108,11 @@ def build_model(
     if expert_overflow not in OVERFLOW_FORMS:
         raise ConfigError(f"model.expert_overflow={expert_overflow!r}: choose one of {list(OVERFLOW_FORMS)}.")
     cfg = replace(cfg, expert_capacity=expert_capacity, expert_overflow=expert_overflow)
-    if mtp:
+    if draft_tokens:
         problem = mtp_problem(cfg)
         if problem:
             raise ConfigError(f"{checkpoint or 'model.config'}: {problem}")
-        cfg = replace(cfg, mtp=True)
+        cfg = replace(cfg, draft_tokens=draft_tokens)
     if layout.world_size > 1 and device == "cpu":
         raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
     with torch.device("meta"):
@@ -137,7 +137,7 @@ def build_model(
 
 def mtp_problem(config) -> str | None:
     """Why this model cannot draft with multi-token prediction (MTP) modules, or None."""
-    if not hasattr(config, "mtp"):
+    if not hasattr(config, "draft_tokens"):
         return (f"MTP speculative decoding is not built for {type(config).__name__} yet; leave the recipe's "
                 "speculative section out for this model.")
     if not config.num_nextn_predict_layers:

@@ -19,6 +19,7 @@ scratch: padding rows and padding tokens write there, never into a live sequence
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
 from .moe import routed_experts
 from .parallel import Layout, rank_buffers
 from .quantization import Fp8Blocks, expert_weights, linear, linear_weight, stacked_experts
+from .speculative import chain_drafts
 from .state import StateSpec, allocate
 
 
@@ -320,17 +322,18 @@ class MTPLayer(nn.Module):
 
         h'_q = block(eh_proj([enorm(embed(t_{q+1})); hnorm(h_q)])),   logits_q = shared_head(h'_q)
 
-    A draft step (`forward`, one row per sequence, the decode form) is given the token t_{q+1} at
-    its position q + 1; it reads h_q from the `hidden` state and writes h'_q at q + 1, where the
-    next draft step reads it in place of h_{q+1} (chained drafts: DeepSeek's sequential MTP, and
-    vLLM's way past the checkpoint's MTP layers). The verify step's head overwrites those entries
-    with the main model's own. The embedding at position 0 is zeroed, as vLLM's deepseek_mtp does
-    for the released weights. Checkpoint names: `model.layers.{num_hidden_layers + i}.{enorm,
-    hnorm, eh_proj, shared_head.norm, shared_head.head}` and the block's own names."""
+    A draft row (`step`) is given the token t_{q+1} at its position q + 1; it reads h_q from the
+    `hidden` state and writes h'_q at q + 1, where the next draft row reads it in place of h_{q+1}
+    (chained drafts: DeepSeek's sequential MTP, and vLLM's way past the checkpoint's MTP layers).
+    The verify step's head overwrites those entries with the main model's own. The embedding at
+    position 0 is zeroed, as vLLM's deepseek_mtp does for the released weights. Checkpoint names:
+    `model.layers.{num_hidden_layers + i}.{enorm, hnorm, eh_proj, shared_head.norm,
+    shared_head.head}` and the block's own names."""
 
     def __init__(self, config: DeepseekV3Config, embed: InputEmbedding, layout: Layout = Layout()):
         super().__init__()
         self.kind = "mtp"
+        self.draft_tokens = config.draft_tokens
         self.embed = embed  # (the main model's: shared)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -345,12 +348,21 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
         return self.block(x, zeros, cos, sin, q, write_slots, read_slots, latent)
 
-    def forward(self, tokens, positions, slots, latent, hidden):
-        """A draft step: tokens [B] at positions [B] (>= 1) -> logits [B, V] for positions + 1."""
+    def step(self, tokens, positions, slots, latent, hidden):
+        """Draft rows: tokens [N] at positions [N] (>= 1; each sequence's rows consecutive) ->
+        logits [N, V] for positions + 1."""
         q = (positions - 1).clamp(min=0)  # (padding rows sit at position 0, in the scratch slot)
         h, pending = self.run(tokens, q, hidden[slots, q], slots, slots, latent)
         hidden.index_put_((slots, positions), h + pending)
         return self.shared_head(h, pending)
+
+    def forward(self, tokens, positions, slots, latent, hidden):
+        """A whole draft step, k = draft_tokens drafts per sequence in one program: rows [B (k + 1)]
+        in blocks of k + 1 per sequence (models/speculative.py), each sequence's tokens the
+        module has not seen yet. The module runs over every row, then k - 1 times more over each
+        sequence's previous draft (argmax) -> draft tokens [B, k]."""
+        logits = self.step(tokens, positions, slots, latent, hidden)  # [B (k + 1), V]
+        return chain_drafts(partial(self.step, latent=latent, hidden=hidden), logits, positions, slots, self.draft_tokens, latent)
 
 
 class MTPPrefill(nn.Module):
@@ -388,9 +400,9 @@ class DeepseekV3(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i), layout) for i in range(config.num_hidden_layers))
         # Speculative decoding's drafter: the checkpoint's first MTP module (models with more
         # chain the first; see MTPLayer).
-        self.mtp = nn.ModuleList([MTPLayer(config, self.embed, layout)] if config.mtp else [])
+        self.mtp = nn.ModuleList([MTPLayer(config, self.embed, layout)] if config.draft_tokens else [])
         self.mtp_prefill = nn.ModuleList(MTPPrefill(layer) for layer in self.mtp)
-        self.head = (HeadKeepingHidden if config.mtp else LMHead)(config, layout.tp)
+        self.head = (HeadKeepingHidden if config.draft_tokens else LMHead)(config, layout.tp)
         self.tie_weights()
 
     def tie_weights(self):
@@ -436,7 +448,7 @@ class DeepseekV3(nn.Module):
         return self.head(h, pending, positions, slots, state[len(self.layers)][1])
 
     def draft(self, tokens, positions, slots, state):
-        """One draft step of the MTP module: logits [B, V] for positions + 1 (MTPLayer)."""
+        """The next k drafts of B sequences: rows [B (k + 1)] -> tokens [B, k] (MTPLayer.forward)."""
         return self.mtp[0](tokens, positions, slots, *state[len(self.layers)])
 
 

@@ -14,7 +14,7 @@ from .quantization import Fp8Blocks, QuantizationError, fp4_size_problem, parse_
 
 # Fields read or derived otherwise than by name from an HF config (rope from rope_parameters,
 # quantization from quantization_config, expert_capacity and expert_overflow from the recipe).
-NOT_HF_FIELDS = ("rope", "quantization", "expert_capacity", "expert_overflow", "mtp")
+NOT_HF_FIELDS = ("rope", "quantization", "expert_capacity", "expert_overflow", "draft_tokens")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,8 @@ class DeepseekV3Config:
     # Not checkpoint fields: the recipe's model.expert_capacity and expert_overflow (models/moe.py).
     expert_capacity: float = DEFAULT_CAPACITY
     expert_overflow: str = "branch"
-    mtp: bool = False  # build (and read) the MTP modules: speculative decoding asks for them
+    # The recipe's speculative.num_tokens: draft tokens a step; above 0 the MTP modules are built and read.
+    draft_tokens: int = 0
 
     @property
     def qk_head_dim(self) -> int:

@@ -5,19 +5,23 @@ a sliding window plus (per layer type) compressed entries — CSA (rate m, overl
 entries picked by the Lightning indexer's top-k) or HCA (rate m', every entry) — mHC
 hyper-connections around every block, and MoE layers routed by hash (`tid2eid[token]`) or top-k.
 
-As for V3, the model is a driver that only calls sub-modules (`embed`, `layers[i]`, `head`), so
-the compiler traces each layer KIND (attention type x MLP type, e.g. `csa.moe`) once:
+As for V3, the model is a driver that only calls sub-modules (`embed`, `layers[i]`, `head`, and
+with speculative decoding `mtp[i]`), so the compiler traces each layer KIND (attention type x MLP
+type, e.g. `csa.moe`) once:
 
     prefill(tokens [T], positions [T], slots [T], read_slot [1], last_index [1], state) -> logits [1, V]
     decode(tokens [B], positions [B], slots [B], state) -> logits [B, V]
+    draft(tokens [B], positions [B], slots [B], state) -> draft tokens [B / (k + 1), k]
 
 Inside a layer the rows are [N sequences, T tokens]: prefill is N=1 (slot read_slot, the chunk's
-valid tokens first, `last_index` the last of them), decode is N=B, T=1. A sequence's chunk starts
-at position `start` and its last valid token is at `end`.
+valid tokens first, `last_index` the last of them), decode is N=B, T=1 -- or, with k draft tokens,
+blocks of T = k + 1 rows, valid rows first (models/speculative.py). A sequence's chunk starts at
+position `start` and its last valid token is at `end`.
 
 State lives outside the module, one fixed pool per layer (leading dim max_seqs + 1; the last slot
 is scratch), sized from kv.max_len = L (a multiple of every compress rate):
-    window [S+1, W, Dh]          ring: entry i holds the newest position q with q = i (mod W)
+    window [S+1, W (+ k), Dh]    ring: entry i holds the newest position q with q = i (mod W + k);
+                                 k spare entries for speculative decoding's k drafts
     entries [S+1, L/m, Dh]       compressed entries (CSA, HCA), entry w pools window w
     buffer [S+1, R, 2k Dh]       ring of raw compressor (kv | gate) projections, R = m' (HCA) or
                                  2m (CSA, whose entries also pool the previous window), k = 1 or 2
@@ -42,10 +46,11 @@ import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinf
 
 from . import deepseek_v3
 from .deepseek_v3 import rope_frequencies
-from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, layer_kind
 from .moe import routed_experts
 from .parallel import Layout, rank_buffers
 from .quantization import expert_weights, linear, linear_weight, stacked_experts
+from .speculative import blocks, chain_drafts
 from .state import StateSpec, allocate
 
 
@@ -188,6 +193,9 @@ class Attention(nn.Module):
         c = config
         self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads, c.head_dim, c.sliding_window, c.rms_norm_eps
         self.rate, self.groups = c.compress_rate(attention_type), c.o_groups
+        # Speculative decoding writes up to k drafts past the accepted tokens: rings keep k spare
+        # entries, so a rejected draft's write evicts only positions no later step reads.
+        self.spare = c.draft_tokens
         q = c.quantization  # fp8 in DeepSeek's release; the compressors and the indexer's scoring stay bf16
         self.wq_a = linear(c.hidden_size, c.q_lora_rank, q)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
@@ -205,14 +213,14 @@ class Attention(nn.Module):
     def state_specs(self, max_seqs: int, max_len: int, dtype: torch.dtype) -> list[StateSpec]:
         """The window and the compressors' rings are fixed; the entries grow with the context."""
         S = max_seqs + 1
-        specs = [StateSpec("window", [S, self.window, self.head_dim], dtype)]
+        specs = [StateSpec("window", [S, self.window + self.spare, self.head_dim], dtype)]
         if self.rate:
             specs += [StateSpec("entries", [S, max_len // self.rate, self.head_dim], dtype, self.rate),
-                      StateSpec("buffer", [S, self.compressor.ring_size(), 2 * self.compressor.wkv.out_features], dtype)]
+                      StateSpec("buffer", [S, self.compressor.ring_size() + self.spare, 2 * self.compressor.wkv.out_features], dtype)]
         if hasattr(self, "indexer"):
             index = self.indexer.compressor
             specs += [StateSpec("index_entries", [S, max_len // self.rate, index.width], dtype, self.rate),
-                      StateSpec("index_buffer", [S, index.ring_size(), 2 * index.wkv.out_features], dtype)]
+                      StateSpec("index_buffer", [S, index.ring_size() + self.spare, 2 * index.wkv.out_features], dtype)]
         return specs
 
     def forward(self, x, cos, sin, start, end, seq_slots, window, *compressed_state):
@@ -227,7 +235,7 @@ class Attention(nn.Module):
         # Sliding keys: the ring as it was before this step, then this step's tokens.
         p = start[:, None] + torch.arange(T, device=x.device)  # [N, T] query positions
         ring = window.index_select(0, seq_slots)  # [N, W, Dh]
-        key_pos = torch.cat([ring_positions(start - 1, self.window), p], dim=1)  # [N, W + T]
+        key_pos = torch.cat([ring_positions(start - 1, ring.shape[1]), p], dim=1)  # [N, W (+ spare) + T]
         keys = torch.cat([ring, kv], dim=1)
         visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= p[..., None]) & (key_pos[:, None, :] > p[..., None] - self.window)
         update_ring(window, ring, kv, start, end, seq_slots)
@@ -371,17 +379,19 @@ class InputEmbedding(nn.Module):
         self.register_buffer("main_inv_freq", main, persistent=False)
         self.register_buffer("compress_inv_freq", compress, persistent=False)
 
-    def forward(self, tokens, positions, last_index=None):
+    def forward(self, tokens, positions, slots=None, last_index=None):
+        """Prefill (`last_index`): one sequence, valid tokens first -> ..., start, end. Decode
+        (`slots`): blocks of draft_tokens + 1 rows per sequence (models/speculative.py; one row
+        without speculative decoding) -> ..., start, end, each block's slot."""
         x = F.embedding(tokens, self.weight)  # [R, D]
         h = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()  # [R, n, D]
         post, pending = torch.zeros_like(h[..., 0]), torch.zeros_like(x)
         main = rope_at(positions, self.main_inv_freq, self.main_scale, x.dtype)
         compress = rope_at(positions, self.compress_inv_freq, self.compress_scale, x.dtype)
-        if last_index is None:  # decode: one token per sequence (a copy: a unit may not return its input)
-            start = end = positions.clone()
-        else:  # prefill: one sequence, valid tokens first
-            start, end = positions[:1], positions.index_select(0, last_index)
-        return h, post, pending, *main, *compress, start, end
+        if last_index is not None:
+            return h, post, pending, *main, *compress, positions[:1], positions.index_select(0, last_index)
+        seq_slots, start, last = blocks(positions, slots, self.config.draft_tokens + 1)
+        return h, post, pending, *main, *compress, start.clone(), start + last, seq_slots.clone()  # (a unit may not return its input)
 
 
 class DecoderLayer(nn.Module):
@@ -389,11 +399,11 @@ class DecoderLayer(nn.Module):
     layer returns its MoE output unmixed, and the next layer (or the head) mixes it first, so the
     MoE's all-reduce ends the layer's last region instead of standing between two small ones."""
 
-    def __init__(self, config: DeepseekV4Config, index: int, layout: Layout = Layout()):
+    def __init__(self, config: DeepseekV4Config, attention_type: str, mlp_type: str, layout: Layout = Layout()):
         super().__init__()
         c = config
-        self.kind = c.layer_kind(index)
-        self.sliding = c.layer_types[index] == SLIDING
+        self.kind = layer_kind(attention_type, mlp_type)
+        self.sliding = attention_type == SLIDING
         self.iters, self.hc_eps, self.eps = c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps
         n, D = c.hc_mult, c.hidden_size
         for block in ("attn", "ffn"):
@@ -401,9 +411,9 @@ class DecoderLayer(nn.Module):
             setattr(self, f"hc_{block}_base", nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32)))
             setattr(self, f"hc_{block}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
         self.attn_norm = RMSNorm(D, c.rms_norm_eps)
-        self.attn = Attention(c, c.layer_types[index])
+        self.attn = Attention(c, attention_type)
         self.ffn_norm = RMSNorm(D, c.rms_norm_eps)
-        self.ffn = MoE(c, c.mlp_layer_types[index] == "hash_moe", layout)
+        self.ffn = MoE(c, mlp_type == "hash_moe", layout)
 
     def forward(self, h, post, pending, cos_main, sin_main, cos_compress, sin_compress, tokens, start, end, seq_slots, *state):
         h = h + post.to(h.dtype)[..., None] * pending[:, None, :]  # [R, n, D]
@@ -433,12 +443,107 @@ class LMHead(nn.Module):
         """-> logits [R, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
         if last_index is not None:
             h, post, pending = (t.index_select(0, last_index) for t in (h, post, pending))
-        h = h + post.to(h.dtype)[..., None] * pending[:, None, :]  # [R, n, D]
-        mixes = F.linear(unweighted_rms_norm(h.flatten(1).float(), self.eps), self.hc_fn.float())  # [R, n]
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        x = (pre[..., None] * h).sum(dim=1).to(h.dtype)
-        logits = F.linear(self.norm(x), self.weight).float()  # [R, V / tp]
+        streams = mixed_streams(h, post, pending)
+        return self.project(self.norm(hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps)))
+
+    def project(self, x):
+        """Normed x [R, D] -> logits [R, V] float32."""
+        logits = F.linear(x, self.weight).float()  # [R, V / tp]
         return torch.ops.deepinfer.all_gather(logits, "tp", -1, self.tp) if self.tp > 1 else logits
+
+
+def mixed_streams(h, post, pending):
+    """The residual streams [R, n, D] once a layer's unmixed MoE output is mixed in (DecoderLayer)."""
+    return h + post.to(h.dtype)[..., None] * pending[:, None, :]
+
+
+def hyper_head(h, fn, base, scale, eps: float, hc_eps: float):
+    """The n streams h [R, n, D] collapsed to one [R, D] by sigmoid weights (mHC's head)."""
+    mixes = F.linear(unweighted_rms_norm(h.flatten(1).float(), eps), fn.float())  # [R, n]
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre[..., None] * h).sum(dim=1).to(h.dtype)
+
+
+class HeadKeepingHidden(LMHead):
+    """The head of a model with MTP modules: it also stores each row's last streams [n D] at
+    (slot, position) in the MTP's `hidden` state, the input the drafts start from."""
+
+    def forward(self, h, post, pending, positions, write_slots, hidden, last_index=None):
+        hidden.index_put_((write_slots, positions), mixed_streams(h, post, pending).flatten(1))
+        return super().forward(h, post, pending, last_index)
+
+
+class MTPBlock(DecoderLayer):
+    """DeepSeek-V4's multi-token prediction module (DeepSeek's inference code, `MTPBlock`): a
+    sliding-window, top-k routed V4 block over the streams
+
+        x_q = e_proj(enorm(embed(t_{q+1})))[None] + h_proj(hnorm(h_q))      [n, D]
+
+    for the main model's last streams h_q at position q, its output collapsed by its own
+    hyper-head and final norm, then the main head's vocabulary projection (embedding and head
+    shared). State: its window and `hidden`, the streams a draft at each position starts from
+    (chained drafts write theirs there, as V3's MTPLayer). Rows are in blocks of T per sequence
+    (models/speculative.py): a draft step's first pass and a prompt chunk run a sequence's rows
+    together, at positions q = position - 1 (a prompt's first row, at q = -1, is read by
+    nothing: every read is gated by position). Checkpoint names: DeepSeek's `mtp.{i}.*`."""
+
+    def __init__(self, config: DeepseekV4Config, embed: InputEmbedding, head: LMHead, layout: Layout = Layout()):
+        super().__init__(config, SLIDING, "moe", layout)
+        c, D, n = config, config.hidden_size, config.hc_mult
+        self.kind, self.draft_tokens, self.n = "mtp", config.draft_tokens, n
+        self.embed, self.head = embed, head  # (the main model's: shared)
+        self.e_proj = linear(D, D, c.quantization)
+        self.h_proj = linear(D, D, c.quantization)
+        self.enorm, self.hnorm, self.norm = (RMSNorm(D, c.rms_norm_eps) for _ in range(3))
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def run(self, tokens, q, previous, slots, T: int, window):
+        """tokens [R] at positions q + 1, in blocks of T; previous [R, n, D] the streams at q ->
+        the module's output streams [R, n, D]."""
+        seq_slots, start, last = blocks(q, slots, T)
+        x = self.e_proj(self.enorm(F.embedding(tokens, self.embed.weight)))[:, None, :] + self.h_proj(self.hnorm(previous))
+        cos, sin = rope_at(q, self.embed.main_inv_freq, self.embed.main_scale, x.dtype)  # (a sliding block: the main rope)
+        post, pending = torch.zeros_like(x[..., 0]), torch.zeros_like(x[:, 0])
+        h, post, pending = super().forward(x, post, pending, cos, sin, cos, sin, tokens, start, start + last, seq_slots, window)
+        return mixed_streams(h, post, pending)
+
+    def step(self, tokens, positions, slots, window, hidden, T: int = 1):
+        """Draft rows -> logits [R, V] for positions + 1; each row's streams stored at its position."""
+        streams = self.run(tokens, positions - 1, self.previous(positions, slots, hidden), slots, T, window)
+        hidden.index_put_((slots, positions), streams.flatten(1))
+        return self.logits(streams)
+
+    def logits(self, streams):
+        """Streams [R, n, D] -> logits [R, V]: the module's own hyper-head and norm, the shared projection."""
+        x = hyper_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.head.eps, self.head.hc_eps)
+        return self.head.project(self.norm(x))
+
+    def previous(self, positions, slots, hidden):
+        """The streams [R, n, D] the rows at `positions` start from: `hidden` at positions - 1."""
+        return hidden[slots, (positions - 1).clamp(min=0)].view(positions.shape[0], self.n, -1)
+
+    def forward(self, tokens, positions, slots, window, hidden):
+        """A whole draft step: rows [B (k + 1)] -> draft tokens [B, k] (as V3's MTPLayer.forward)."""
+        k = self.draft_tokens
+        logits = self.step(tokens, positions, slots, window, hidden, T=k + 1)
+        return chain_drafts(partial(self.step, window=window, hidden=hidden), logits, positions, slots, k, hidden)
+
+
+class MTPPrefill(nn.Module):
+    """The MTP module over a prompt chunk (one block), after the head stored the chunk's streams:
+    fills its window for the prompt. It writes no streams: the chunk's last position keeps the
+    main model's, which the first draft reads."""
+
+    def __init__(self, layer: MTPBlock):
+        super().__init__()
+        self.kind = "mtp_prefill"
+        self.layer = layer  # (shared)
+
+    def forward(self, tokens, positions, slots, window, hidden):
+        previous = self.layer.previous(positions, slots, hidden)
+        return self.layer.run(tokens, positions - 1, previous, slots, tokens.shape[0], window)
 
 
 class DeepseekV4(nn.Module):
@@ -449,8 +554,12 @@ class DeepseekV4(nn.Module):
         layout.check(config)
         self.config, self.layout = config, layout
         self.embed = InputEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, layout) for i in range(config.num_hidden_layers))
-        self.head = LMHead(config, layout.tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, config.layer_types[i], config.mlp_layer_types[i], layout)
+                                    for i in range(config.num_hidden_layers))
+        self.head = (HeadKeepingHidden if config.draft_tokens else LMHead)(config, layout.tp)
+        # Speculative decoding's drafter: the checkpoint's first MTP module (chained past it, as V3's).
+        self.mtp = nn.ModuleList([MTPBlock(config, self.embed, self.head, layout)] if config.draft_tokens else [])
+        self.mtp_prefill = nn.ModuleList(MTPPrefill(layer) for layer in self.mtp)
         self.tie_weights()
 
     @staticmethod
@@ -470,22 +579,37 @@ class DeepseekV4(nn.Module):
     def state_specs(self, max_seqs: int, max_len: int) -> list[list[StateSpec]]:
         """Per layer, the named state tensors it keeps (see the module docstring)."""
         dtype = self.embed.weight.dtype
-        return [layer.attn.state_specs(max_seqs, max_len, dtype) for layer in self.layers]
+        hidden = StateSpec("hidden", [max_seqs + 1, max_len, self.config.hc_mult * self.config.hidden_size], dtype, 1)
+        return ([layer.attn.state_specs(max_seqs, max_len, dtype) for layer in self.layers]
+                + [[*mtp.attn.state_specs(max_seqs, max_len, dtype), hidden] for mtp in self.mtp])
 
     def new_state(self, max_seqs: int, max_len: int) -> list[list[torch.Tensor]]:
         return allocate(self.state_specs(max_seqs, max_len))
 
     def prefill(self, tokens, positions, slots, read_slot, last_index, state):
-        h, post, pending, *rope, start, end = self.embed(tokens, positions, last_index)
+        h, post, pending, *rope, start, end = self.embed(tokens, positions, slots, last_index)  # (positional: traced)
         for layer, layer_state in zip(self.layers, state):
             h, post, pending = layer(h, post, pending, *rope, tokens, start, end, read_slot, *layer_state)
-        return self.head(h, post, pending, last_index)  # [1, V]
+        if not self.mtp:
+            return self.head(h, post, pending, last_index)  # [1, V]
+        mtp_state = state[len(self.layers)]
+        logits = self.head(h, post, pending, positions, slots, mtp_state[-1], last_index)
+        self.mtp_prefill[0](tokens, positions, slots, *mtp_state)
+        return logits
 
     def decode(self, tokens, positions, slots, state):
-        h, post, pending, *rope, start, end = self.embed(tokens, positions)
+        """Also the verify step of speculative decoding: each sequence's block of rows (its last
+        token and its drafts) runs as one chunk."""
+        h, post, pending, *rope, start, end, seq_slots = self.embed(tokens, positions, slots)
         for layer, layer_state in zip(self.layers, state):
-            h, post, pending = layer(h, post, pending, *rope, tokens, start, end, slots, *layer_state)
-        return self.head(h, post, pending)  # [B, V]
+            h, post, pending = layer(h, post, pending, *rope, tokens, start, end, seq_slots, *layer_state)
+        if not self.mtp:
+            return self.head(h, post, pending)  # [B, V]
+        return self.head(h, post, pending, positions, slots, state[len(self.layers)][-1])
+
+    def draft(self, tokens, positions, slots, state):
+        """The next k drafts of B sequences: rows [B (k + 1)] -> tokens [B, k] (MTPBlock.forward)."""
+        return self.mtp[0](tokens, positions, slots, *state[len(self.layers)])
 
 
 def init_random(model: DeepseekV4, seed: int) -> DeepseekV4:
@@ -529,7 +653,7 @@ def checkpoint_keys(name: str, config: DeepseekV4Config, shape: tuple, saved_by_
         name = "embed.weight"
     if name in _TOP_LEVEL:
         return [(_TOP_LEVEL[name][saved_by_transformers], tuple(shape))]
-    prefix = "model." if saved_by_transformers else ""
+    prefix = "model." if saved_by_transformers and not name.startswith("mtp.") else ""  # (transformers keeps no MTP module)
     layer, _, rest = name.partition(".ffn.experts_")
     if rest:  # stacked [E, out, in] from layers.N.ffn.experts.E.w{1,3,2}.weight
         parts = ("w1", "w3") if rest == "w13" else ("w2",)

@@ -20,7 +20,7 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 # Fields read or derived otherwise than by name from an HF config (the ropes from rope_parameters,
 # quantization from quantization_config, expert_capacity and expert_overflow from the recipe).
-NOT_HF_FIELDS = ("rope", "compress_rope", "quantization", "expert_capacity", "expert_overflow")
+NOT_HF_FIELDS = ("rope", "compress_rope", "quantization", "expert_capacity", "expert_overflow", "draft_tokens")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class DeepseekV4Config:
     index_head_dim: int = 128
     index_topk: int = 512
     rms_norm_eps: float = 1e-6
+    num_nextn_predict_layers: int = 1  # multi-token prediction (MTP) modules, DeepSeek's `mtp.*` (transformers' default)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
@@ -63,15 +64,12 @@ class DeepseekV4Config:
     quantization: Fp8Blocks | None = None  # the checkpoint's fp8 / fp4 weights (models/quantization.py)
     expert_capacity: float = DEFAULT_CAPACITY  # not a checkpoint field: the recipe's model.expert_capacity (models/moe.py)
     expert_overflow: str = "branch"  # nor this: the recipe's model.expert_overflow (models/moe.py)
+    draft_tokens: int = 0  # nor this: the recipe's speculative.num_tokens; above 0 the MTP modules are built and read
+
 
     def compress_rate(self, attention_type: str) -> int:
         """Positions pooled into one compressed entry (0: the layer keeps none)."""
         return {SLIDING: 0, CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}[attention_type]
-
-    def layer_kind(self, index: int) -> str:
-        """What the compiler traces once: attention type x MLP type, e.g. 'csa.moe'."""
-        short = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}[self.layer_types[index]]
-        return f"{short}.{self.mlp_layer_types[index]}"
 
     def max_len_problem(self, max_len: int) -> str | None:
         """Why kv.max_len cannot size this model's state, or None: the compressed entries are
@@ -138,6 +136,11 @@ class DeepseekV4Config:
         config = cls(**values, rope=_main_rope(raw, source), compress_rope=_compress_rope(raw, source), quantization=quantization)
         _check_values(config, source)
         return config
+
+
+def layer_kind(attention_type: str, mlp_type: str) -> str:
+    """What the compiler traces once: attention type x MLP type, e.g. 'csa.moe'."""
+    return f"{ {SLIDING: 'sliding', CSA: 'csa', HCA: 'hca'}[attention_type]}.{mlp_type}"
 
 
 def _fold_legacy(raw: dict, values: dict, source: str):
@@ -234,7 +237,8 @@ def _rope_dict(rope: RopeConfig) -> dict:
 
 
 LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vocab_size": 1 << 22, "num_attention_heads": 1024,
-          "max_position_embeddings": 1 << 24, "hc_mult": 16, "hc_sinkhorn_iters": 100}
+          "max_position_embeddings": 1 << 24, "hc_mult": 16, "hc_sinkhorn_iters": 100,
+          "num_nextn_predict_layers": 16}
 _READ_KEYS = ({f.name for f in fields(DeepseekV4Config)} - set(NOT_HF_FIELDS)) | {
     "model_type", "rope_parameters", "rope_scaling", "rope_theta", "compress_rope_theta", "compress_rates",
     "compress_ratios", "num_hash_layers", "partial_rotary_factor", "hidden_act", "num_key_value_heads",
@@ -249,7 +253,8 @@ def _check_values(c: DeepseekV4Config, source: str):
     if fp4_size_problem(c):
         fail(*fp4_size_problem(c))
     check_fields(c, source, skip=(*NOT_HF_FIELDS, "layer_types", "mlp_layer_types"),
-                 optional=("bos_token_id", "eos_token_id"), non_negative=("bos_token_id", "eos_token_id"), limits=LIMITS)
+                 optional=("bos_token_id", "eos_token_id"), non_negative=("bos_token_id", "eos_token_id", "num_nextn_predict_layers"),
+                 limits=LIMITS)
     if c.scoring_func not in SCORING_FUNCS:
         fail("scoring_func", f"is not supported (one of {SCORING_FUNCS}).")
     if c.n_shared_experts != 1:

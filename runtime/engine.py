@@ -19,10 +19,11 @@ the pool's kv.max_len.
 Speculative decoding (a bundle compiled with `speculative`, k draft tokens): a sequence's decode
 step verifies its last token and the k tokens its MTP module drafted, all in one step of the
 main model (rows at consecutive positions attend each other causally), and emits the accepted
-drafts and one more token (sampling.verify_drafts: exactly the model's distribution); then the
-draft steps propose the next k -- the first over the tokens just emitted (the module has not
-seen them), then one row per sequence. Rejected drafts' state is overwritten by later steps:
-nothing is cleared. Without speculation a decode step is the same with no drafts.
+drafts and one more token (sampling.verify_drafts: exactly the model's distribution); then one
+draft step proposes the next k for every sequence: the MTP module runs over the tokens just
+emitted (it has not seen them) and chains its own argmax k - 1 times, in one program. Rejected
+drafts' state is overwritten by later steps: nothing is cleared. Without speculation a decode
+step is the same with no drafts.
 """
 
 import time
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DeepinferError
-from .sampling import SamplingParams, probabilities, sample, verify_drafts
+from .sampling import SamplingParams, sample, verify_drafts
 from .step import Step
 
 
@@ -83,7 +84,6 @@ class Sequence:
     slot: int | None = None  # its row in the state pool, once admitted
     prefilled: int = 0  # prompt tokens already in the cache
     drafts: list[int] = field(default_factory=list)  # proposed to follow its last token, not yet verified
-    draft_probs: list[torch.Tensor] = field(default_factory=list)  # the distribution each draft was drawn from
     unseen: int = 0  # its last tokens the MTP module has not run over yet (speculative decoding)
 
     @property
@@ -123,18 +123,19 @@ def check_request(request: Request, vocab_size: int | None, max_len: int):
 
 class Engine:
     def __init__(self, executor, prefill_buckets, decode_buckets, max_seqs: int, max_len: int, eos_id: int | None,
-                 vocab_size: int | None = None, contexts: dict[str, list[int]] | None = None, speculative: int = 0,
-                 draft_buckets=()):
-        """Buckets in rows: with `speculative` k draft tokens a decode bucket holds k + 1 rows a sequence."""
+                 vocab_size: int | None = None, contexts: dict[str, list[int]] | None = None, speculative: int = 0):
+        """Buckets in rows: with `speculative` k draft tokens a decode bucket holds k + 1 rows a
+        sequence, and the draft steps take the same buckets."""
         self.executor = executor
         self.prefill_buckets = sorted(prefill_buckets)
         self.decode_buckets = sorted(decode_buckets)
-        self.speculative, self.draft_buckets = speculative, sorted(draft_buckets)
+        self.speculative = speculative
         # Per draft position: drafts verified, and accepted (the acceptance rate by position).
         self.drafted, self.accepted = [0] * speculative, [0] * speculative
         self.contexts = contexts or {}  # method -> context buckets, the largest kv.max_len
         self.max_seqs, self.max_len, self.eos_id, self.vocab_size = max_seqs, max_len, eos_id, vocab_size
         self.scratch = max_seqs
+        self.padding = (0, 0, self.scratch)  # a (token, position, slot) row that changes nothing
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: holding a slot, prefilling or decoding
         self.free_slots = list(range(max_seqs))
@@ -144,7 +145,7 @@ class Engine:
         """The engine a loaded bundle's manifest describes."""
         m = executor.manifest
         return cls(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id,
-                   m.vocab_size, m.contexts, m.speculative, m.buckets.get("draft", ()))
+                   m.vocab_size, m.contexts, m.speculative)
 
     def check(self, request: Request):
         check_request(request, self.vocab_size, self.max_len)
@@ -189,7 +190,7 @@ class Engine:
             self._decode(decoding)
             updated += [s for s in decoding if s not in updated]
         if self.speculative:
-            self._draft([s for s in self.running if s.decoding and s.unseen])
+            self._draft([s for s in self.running if s.decoding and s.unseen and self._draft_budget(s) > 0])
         self._retire()
         return updated
 
@@ -231,28 +232,23 @@ class Engine:
         """A decode step for every given sequence, in groups of at most the largest bucket: each
         verifies its last token and its drafts (none without speculation) and emits the tokens
         that passed and one more."""
-        per_sequence = self.speculative + 1
-        largest = self.decode_buckets[-1] // per_sequence
-        for lo in range(0, len(seqs), largest):
-            group = seqs[lo : lo + largest]
-            rows = [[(t, s.length + i) for i, t in enumerate([s.result.token_ids[-1], *s.drafts])] for s in group]
-            logits = self._run("decode", self.decode_buckets, group, rows)
-            start = 0
-            for seq, seq_rows in zip(group, rows):
-                self._verify(seq, logits[start : start + len(seq_rows)])
-                start += len(seq_rows)
+        for group in self._groups(seqs):
+            rows = [[(t, s.length + i, s.slot) for i, t in enumerate([s.result.token_ids[-1], *s.drafts])] for s in group]
+            logits = self._run("decode", rows, max(s.length + len(s.drafts) for s in group) + 1)
+            for seq, block, seq_rows in zip(group, logits.view(-1, self.speculative + 1, logits.shape[-1]), rows):
+                self._verify(seq, block[: len(seq_rows)])
 
     def _verify(self, seq: Sequence, logits: torch.Tensor):
         drafts, result = seq.drafts, seq.result
         try:
-            tokens = verify_drafts(logits, drafts, seq.draft_probs, seq.request.sampling, seq.generator)
+            tokens = verify_drafts(logits, drafts, seq.request.sampling, seq.generator)
         except RuntimeError as err:
             _sampling_failed(result, err)
             return
         for j in range(len(drafts)):
             self.drafted[j] += 1
             self.accepted[j] += j < len(tokens) - 1
-        seq.drafts, seq.draft_probs = [], []
+        seq.drafts = []
         result.decode_steps += 1
         for token in tokens:
             self._emit(seq, token)
@@ -261,41 +257,39 @@ class Engine:
                 break
 
     def _draft(self, seqs: list[Sequence]):
-        """The next drafts of every given sequence: the MTP module over its unseen tokens (the
-        last gives the first draft), then over each draft in turn. A sequence drafts no further
-        than its context and its max_tokens can use."""
-        budget = {seq: min(self.speculative, self.max_len - 1 - seq.length,
-                           seq.request.max_tokens - len(seq.result.token_ids) - 1) for seq in seqs}
-        unseen = {}  # each sequence's unseen tokens, as (token, position) rows (its last at seq.length)
-        for seq in seqs:
-            ids, first = seq.result.token_ids, seq.length - seq.unseen + 1
-            unseen[seq] = [(token, first + i) for i, token in enumerate(ids[len(ids) - seq.unseen :])]
-            seq.unseen = 0
-        for j in range(self.speculative):
-            drafting = [s for s in seqs if budget[s] > j]
-            largest = self.draft_buckets[-1] // (self.speculative + 1 if j == 0 else 1)
-            for lo in range(0, len(drafting), largest):
-                group = drafting[lo : lo + largest]
-                rows = [unseen[s] if j == 0 else [(s.drafts[-1], s.length + j)] for s in group]
-                logits = self._run("draft", self.draft_buckets, group, rows)
-                ends = torch.tensor([len(r) for r in rows]).cumsum(0) - 1  # each sequence's last row
-                for seq, row in zip(group, logits[ends]):
-                    probs = probabilities(row[None], seq.request.sampling)[0]
-                    if not (torch.isfinite(probs).all() and probs.sum() > 0):
-                        budget[seq] = j  # logits that are not numbers: no more drafts (the verify step decides)
-                        continue
-                    seq.drafts.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-                    seq.draft_probs.append(probs)
+        """The next drafts of every given sequence, in groups of at most the largest bucket: the
+        rows are its tokens the MTP module has not seen. A sequence keeps no more drafts than
+        its context and its max_tokens can use."""
+        for group in self._groups(seqs):
+            rows = []
+            for seq in group:
+                ids, first = seq.result.token_ids, seq.length - seq.unseen + 1
+                rows.append([(token, first + i, seq.slot) for i, token in enumerate(ids[len(ids) - seq.unseen :])])
+                seq.unseen = 0
+            # Chained drafts reach k - 1 positions past the last token (models/speculative.py).
+            drafts = self._run("draft", rows, min(max(s.length for s in group) + self.speculative, self.max_len))
+            for seq, proposed in zip(group, drafts.tolist()):  # drafts [bucket / (k + 1), k]
+                seq.drafts = proposed[: self._draft_budget(seq)]
 
-    def _run(self, method: str, buckets: list[int], group: list[Sequence], rows: list[list[tuple[int, int]]]) -> torch.Tensor:
-        """One step of `method` over each sequence's (token, position) rows, padded to the
-        smallest bucket that holds them -> logits [rows, V]."""
-        flat = [(token, position, seq.slot) for seq, seq_rows in zip(group, rows) for token, position in seq_rows]
-        bucket = next(b for b in buckets if b >= len(flat))
-        flat += [(0, 0, self.scratch)] * (bucket - len(flat))
+    def _draft_budget(self, seq: Sequence) -> int:
+        """Drafts a sequence can use: the verify step puts them at the next positions, and emits one token more."""
+        return min(self.speculative, self.max_len - 1 - seq.length, seq.request.max_tokens - len(seq.result.token_ids) - 1)
+
+    def _groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The sequences in groups the largest decode bucket holds (k + 1 rows each)."""
+        largest = self.decode_buckets[-1] // (self.speculative + 1)
+        return [seqs[lo : lo + largest] for lo in range(0, len(seqs), largest)]
+
+    def _run(self, method: str, rows: list[list[tuple[int, int, int]]], reach: int) -> torch.Tensor:
+        """One step of `method` over each sequence's (token, position, slot) rows, in blocks of
+        k + 1 rows (models/speculative.py: valid rows first, then padding) padded to the smallest
+        bucket, for the smallest context holding `reach` positions."""
+        per_sequence = self.speculative + 1
+        flat = [row for seq_rows in rows for row in seq_rows + [self.padding] * (per_sequence - len(seq_rows))]
+        bucket = next(b for b in self.decode_buckets if b >= len(flat))
+        flat += [self.padding] * (bucket - len(flat))
         tokens, positions, slots = (torch.tensor(column) for column in zip(*flat))
-        context = self._context(method, max(p for seq_rows in rows for _, p in seq_rows) + 1)
-        return self.executor.run(Step(method, tokens, positions, slots, context=context))
+        return self.executor.run(Step(method, tokens, positions, slots, context=self._context(method, reach)))
 
     def _context(self, method: str, positions: int) -> int | None:
         """The smallest context bucket holding `positions` positions (None: the method has none)."""

@@ -126,10 +126,14 @@ class BundleExecutor:
             if shadowed:
                 raise BundleError(f"{where}, step {n}: output {shadowed[0]!r} would shadow a weight or step input.")
             known.update(zip(step.outputs, outputs))
-        rows = 1 if method == "prefill" else bucket
-        if known.get(program.output) != ([rows, self.manifest.vocab_size], "float32"):
-            raise BundleError(f"{where}: its output {program.output!r} is not the float32 [{rows}, vocab_size="
-                              f"{self.manifest.vocab_size}] logits the engine samples from; recompile the bundle.")
+        if method == "draft":  # k draft tokens for each block of k + 1 rows
+            k = self.manifest.speculative
+            wanted, what = ([bucket // (k + 1), k], "int64"), "draft tokens"
+        else:
+            wanted, what = ([1 if method == "prefill" else bucket, self.manifest.vocab_size], "float32"), "logits"
+        if known.get(program.output) != wanted:
+            raise BundleError(f"{where}: its output {program.output!r} is not the {wanted[1]} {wanted[0]} {what} the "
+                              "engine reads; recompile the bundle.")
 
     def _resolve(self, key, program, functions, fixed) -> _Plan:
         slots = {name: i for i, name in enumerate(program.inputs)}

@@ -220,8 +220,10 @@ def check_manifest(m: Manifest, where: str):
         if not isinstance(buckets, list) or not buckets or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
             bad(f"buckets.{method} {buckets!r} must be a list of positive integers")
         rows = kv.max_len if method == "prefill" else kv.max_seqs * (k + 1)
-        if max(buckets) > rows or method == "decode" and any(b % (k + 1) for b in buckets):
+        if max(buckets) > rows or method != "prefill" and any(b % (k + 1) for b in buckets):
             bad(f"buckets.{method} {buckets} does not fit the KV pool")
+        if method == "draft" and buckets != m.buckets["decode"]:
+            bad(f"buckets.draft {buckets} are not the decode buckets {m.buckets['decode']}")
         contexts = m.contexts.get(method, [None])
         if method in m.contexts and (not isinstance(contexts, list) or not contexts or contexts[-1] != kv.max_len
                                    or not all(isinstance(c, int) and not isinstance(c, bool) and 0 < c for c in contexts)

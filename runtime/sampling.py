@@ -55,16 +55,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probabilities(logits, params), 1, generator=generator)[:, 0]
 
 
-def verify_drafts(logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor], params: SamplingParams,
-                  generator: torch.Generator) -> list[int]:
+def verify_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator) -> list[int]:
     """Speculative decoding's acceptance: `logits` [m + 1, V] are the model's at the last token
-    and at each of the m drafts; `draft_probs[j]` [V] the distribution draft j was drawn from.
+    and at each of the m drafts, which the drafter chose by argmax (a one-hot distribution q).
     Returns the tokens to emit: the accepted drafts, then one more -- drawn from the model where a
     draft was rejected, or after the last. Greedy: a draft is accepted while it is the model's
-    argmax. Sampling: draft j is accepted with probability min(1, p(d) / q(d)), and a rejection
-    draws from max(0, p - q) renormalised (Leviathan et al. 2023; Chen et al. 2023), so what is
-    emitted is distributed exactly as the model's own samples (p after temperature and top-p):
-    a token p gives no mass is never emitted."""
+    argmax. Sampling: draft d is accepted with probability min(1, p(d) / q(d)) = p(d), and a
+    rejection draws from max(0, p - q) renormalised, p without d (Leviathan et al. 2023; Chen et
+    al. 2023), so what is emitted is distributed exactly as the model's own samples (p after
+    temperature and top-p): a token p gives no mass is never emitted."""
     if params.temperature < GREEDY_BELOW:
         best = logits.argmax(dim=-1).tolist()
         n = 0
@@ -72,11 +71,12 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], draft_probs: list[tor
             n += 1
         return drafts[:n] + [best[n]]
     p = probabilities(logits, params)
-    for j, (token, q) in enumerate(zip(drafts, draft_probs)):
-        if torch.rand(1, generator=generator).item() * q[token] < p[j, token]:
+    for j, token in enumerate(drafts):
+        if torch.rand(1, generator=generator).item() < p[j, token]:
             continue
-        residual = (p[j] - q).clamp(min=0)
-        if not residual.sum() > 0:  # (p == q where q drew the draft: rejection had probability 0)
-            residual = p[j]
+        residual = p[j].clone()
+        residual[token] = 0.0
+        if not residual.sum() > 0:  # (all of p's mass on d, short of 1.0 by rounding: accepted)
+            continue
         return drafts[:j] + [int(torch.multinomial(residual, 1, generator=generator))]
     return drafts + [int(torch.multinomial(p[-1], 1, generator=generator))]

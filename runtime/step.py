@@ -10,7 +10,7 @@ import torch
 
 METHODS = ("stop", "prefill", "decode", "draft")
 # The inputs each method's program reads, in the model's argument order (Step.inputs()). `draft`:
-# a speculative decoding draft step (the MTP module), laid out as decode.
+# a speculative decoding draft step (the MTP module), laid out as decode; it returns draft tokens.
 STEP_FIELDS = {"prefill": ("tokens", "positions", "slots", "read_slot", "last_index"), "decode": ("tokens", "positions", "slots"),
                "draft": ("tokens", "positions", "slots")}
 HEADER_WORDS = 5  # method, bucket, read_slot, last_index, context

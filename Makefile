@@ -1,4 +1,4 @@
-# make demo   set up, compile the trained tiny V3 (speculative decoding on) with AOTInductor and the tiny V4 with export, generate from both
+# make demo   set up, compile the trained tiny V3 (AOTInductor) and V4 (export), both with speculative decoding on, generate from both
 # make test   set up, then run the whole suite
 # make serve  serve artifacts/tiny-code (compiled first if absent) over OpenAI's HTTP API on 127.0.0.1:8000
 # make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
@@ -21,8 +21,8 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/deepinfer-compile recipes/tiny-code.yaml
 	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-code --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0.5 --seed 1
-	$(VENV)/bin/deepinfer-compile recipes/tiny-v4.yaml --backend export
-	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-v4 --prompt "Hello, DeepSeek-V4!" --max-tokens 24
+	$(VENV)/bin/deepinfer-compile recipes/tiny-v4-code.yaml
+	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-v4-code --prompt "class Stack:" --max-tokens 64 --temperature 0.5 --seed 1
 
 test: setup
 	$(PY) -m pytest -q

@@ -26,6 +26,8 @@ drafts' state is overwritten by later steps: nothing is cleared. Without specula
 step is the same with no drafts.
 """
 
+import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -134,6 +136,7 @@ class Engine:
         self.drafted, self.accepted = [0] * speculative, [0] * speculative
         self.contexts = contexts or {}  # method -> context buckets, the largest kv.max_len
         self.max_seqs, self.max_len, self.eos_id, self.vocab_size = max_seqs, max_len, eos_id, vocab_size
+        self.vocab_limit = math.inf if vocab_size is None else vocab_size
         self.scratch = max_seqs
         self.padding = (0, 0, self.scratch)  # a (token, position, slot) row that changes nothing
         self.waiting: deque[Sequence] = deque()
@@ -269,7 +272,9 @@ class Engine:
             # Chained drafts reach k - 1 positions past the last token (models/speculative.py).
             drafts = self._run("draft", rows, min(max(s.length for s in group) + self.speculative, self.max_len))
             for seq, proposed in zip(group, drafts.tolist()):  # drafts [bucket / (k + 1), k]
-                seq.drafts = proposed[: self._draft_budget(seq)]
+                # (the next step indexes embeddings with them: a token outside the vocabulary ends the drafts)
+                valid = list(itertools.takewhile(lambda t: 0 <= t < self.vocab_limit, proposed))
+                seq.drafts = valid[: self._draft_budget(seq)]
 
     def _draft_budget(self, seq: Sequence) -> int:
         """Drafts a sequence can use: the verify step puts them at the next positions, and emits one token more."""

@@ -87,7 +87,7 @@ def test_the_v4_mtp_module_matches_an_independent_formula(tmp_path):
     # The main model's last streams h [T, n, D]: transformers' model, before its hyper-head.
     hf = transformers.AutoModelForCausalLM.from_pretrained(V4_CHECKPOINT, dtype=torch.float32).eval()
     captured = {}
-    hf.model.hc_head.register_forward_pre_hook(lambda module, args: captured.setdefault("h", args[0][0]))
+    hf.model.hc_head.register_forward_pre_hook(lambda module, args: captured.update(h=args[0][0]))  # (None: args unchanged)
     with torch.no_grad():
         main = hf(tokens)
     h = captured["h"]

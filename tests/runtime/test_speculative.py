@@ -61,8 +61,7 @@ class Drafter(EagerExecutor):
             return out
         k = out.shape[1]
         slots, first, last = blocks(step.positions, step.slots, k + 1)
-        vocab = self.model.config.vocab_size
-        return torch.tensor([[self.propose(slot, position + 1 + j) % vocab for j in range(k)]
+        return torch.tensor([[self.propose(slot, position + 1 + j) for j in range(k)]
                              for slot, position in zip(slots.tolist(), (first + last).tolist())])
 
 
@@ -90,11 +89,16 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(references, arch,
     assert all(r.tokens_per_step == pytest.approx((MAX_TOKENS - 1) / -(-(MAX_TOKENS - 1) // (k + 1))) for r in results)
 
     # ... and a drafter that is always wrong changes nothing but the speed: no draft is emitted unverified.
-    liar = Engine(Drafter(model, lambda slot, position: truth(slot, position) + 1), engine.prefill_buckets,
-                  engine.decode_buckets, 4, 256, model.config.eos_token_id, speculative=k)
+    vocab = model.config.vocab_size
+    liar = Engine(Drafter(model, lambda slot, position: (truth(slot, position) + 1) % vocab), engine.prefill_buckets,
+                  engine.decode_buckets, 4, 256, model.config.eos_token_id, vocab, speculative=k)
     results = liar.generate([Request(p, MAX_TOKENS) for p in PROMPTS])
     assert [r.token_ids for r in results] == reference
     assert sum(liar.accepted) == 0 and all(r.tokens_per_step == 1.0 for r in results)
+    # A drafter gone wrong (tokens outside the vocabulary) is never fed to the model: no drafts at all.
+    wild = Engine(Drafter(model, lambda slot, position: vocab + position), engine.prefill_buckets, engine.decode_buckets,
+                  4, 256, model.config.eos_token_id, vocab, speculative=k)
+    assert greedy(wild) == reference and sum(wild.drafted) == 0
 
 
 def test_rejection_sampling_keeps_the_models_distribution():

@@ -1,5 +1,5 @@
 """The HTTP front door on Starlette: OpenAI's /v1/completions, /v1/chat/completions and
-/v1/models, plus /health and /metrics. It knows requests, text and tokens; the engine thread
+/v1/models, vLLM's /tokenize, /detokenize and /version, plus /health and /metrics. It knows requests, text and tokens; the engine thread
 knows steps. Every error is OpenAI's error object with the status it deserves."""
 
 import asyncio
@@ -21,7 +21,9 @@ from ..tokenizer import bundle_tokenizer
 from .chat import ChatTemplate
 from .engine_thread import EngineThread, Failed, Handle
 from .metrics import Metrics
-from .protocol import APIError, Generation, bad, message_text, not_unicode, parse_chat, parse_completion
+from ..versions import toolchain_versions
+from .protocol import (APIError, Generation, bad, message_text, not_unicode, parse_chat, parse_completion, parse_detokenize,
+                       parse_tokenize)
 from .template_worker import RENDER_SECONDS, TemplateRenderer
 from .text import TextStream
 
@@ -50,7 +52,9 @@ class OpenAIServer:
         self.app = Starlette(
             routes=[Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
                     Route("/v1/chat/completions", self._counted("chat", self.chat), methods=["POST"]),
-                    Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics_page)],
+                    Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics_page),
+                    Route("/tokenize", self.tokenize, methods=["POST"]), Route("/detokenize", self.detokenize, methods=["POST"]),
+                    Route("/version", self.version)],
             exception_handlers={APIError: _api_error, HTTPException: _http_error},
             lifespan=self._lifespan)
 
@@ -102,11 +106,14 @@ class OpenAIServer:
 
     async def chat(self, request: HTTPRequest) -> Response:
         generation = await self._accept(request, parse_chat)
+        text = await self._render(generation.prompts[0])
+        return await self._respond(request, generation, [self.tokenizer.encode(text, add_special_tokens=False)], chat=True)
+
+    async def _render(self, messages: list[dict]) -> str:
         try:
-            text = await self.renderer.render([message_text(m) for m in generation.prompts[0]])
+            return await self.renderer.render([message_text(m) for m in messages])
         except ValueError as err:
             raise bad("messages", f"{self.renderer.template.where} failed on these messages: {err}") from None
-        return await self._respond(request, generation, [self.tokenizer.encode(text, add_special_tokens=False)], chat=True)
 
     async def models(self, request: HTTPRequest) -> Response:
         self._authorize(request)
@@ -114,6 +121,29 @@ class OpenAIServer:
         if self.engine is not None:
             card["max_model_len"] = self.engine.max_len
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        """vLLM's: a prompt's (or a chat's, rendered by the template) token ids."""
+        body = await self._body(request)
+        prompt, messages, add_special_tokens = parse_tokenize(body)
+        self._check_model(body)
+        self._check_available()
+        if messages is None:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text = await self._render(messages)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        """vLLM's: token ids back to text."""
+        body = await self._body(request)
+        self._check_model(body)
+        self._check_available()
+        return JSONResponse({"prompt": self.tokenizer.decode(parse_detokenize(body, self.engine.vocab_size))})
+
+    async def version(self, request: HTTPRequest) -> Response:
+        return JSONResponse({"version": toolchain_versions()["deepinfer"]})
 
     async def health(self, request: HTTPRequest) -> Response:
         if self.failure is not None:
@@ -143,12 +173,15 @@ class OpenAIServer:
     async def _accept(self, request: HTTPRequest, parse) -> Generation:
         """The checks every generation request passes, in the order a client should hear of them:
         key, body, parameters, model, then whether the engine can take it."""
-        self._authorize(request)
-        body = await _json_body(request, self.body_seconds)
+        body = await self._body(request)
         generation = parse(body)
         self._check_model(body)
         self._check_available()
         return generation
+
+    async def _body(self, request: HTTPRequest) -> dict:
+        self._authorize(request)
+        return await _json_body(request, self.body_seconds)
 
     def _authorize(self, request: HTTPRequest):
         if self.api_key is None:
@@ -314,15 +347,20 @@ class _Reply:
                 "choices": choices, "usage": self._usage()}
 
     async def stream(self):
-        """Server-sent events: chunks, then (stream_options.include_usage) usage, then [DONE]."""
-        usage = {"usage": None} if self.generation.include_usage else {}
+        """Server-sent events: chunks, then (stream_options.include_usage) usage, then [DONE]. With
+        vLLM's continuous_usage_stats every chunk carries the usage so far."""
+        def usage() -> dict:
+            if not self.generation.include_usage:
+                return {}
+            return {"usage": self._usage() if self.generation.continuous_usage else None}
+
         if self.chat:
             yield _event(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                       "finish_reason": None}], usage))
+                                       "finish_reason": None}], usage()))
         try:
             async for i, text, ids, finish in self.updates():
                 if text or finish or (ids and self.generation.return_token_ids):
-                    yield _event(self._chunk([self._choice(i, text, ids, finish, whole=False)], usage))
+                    yield _event(self._chunk([self._choice(i, text, ids, finish, whole=False)], usage()))
         except APIError as err:
             yield _event(err.body())
         else:

@@ -44,6 +44,7 @@ class Generation:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     ignore_eos: bool = False
     return_token_ids: bool = False
     max_tokens_param: str = "max_tokens"  # the name the client used (chat: max_completion_tokens too)
@@ -71,6 +72,13 @@ def parse_completion(body: dict) -> Generation:
 def parse_chat(body: dict) -> Generation:
     _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
+    _check_messages(messages)
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        return _generation(body, [messages], _optional_int(body, "max_completion_tokens", None), "max_completion_tokens")
+    return _generation(body, [messages], _optional_int(body, "max_tokens", None))
+
+
+def _check_messages(messages):
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "give a non-empty list of {\"role\", \"content\"} objects.")
     for i, message in enumerate(messages):
@@ -82,9 +90,6 @@ def parse_chat(body: dict) -> Generation:
                 raise bad(f"messages[{i}].content", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", "give a string or a list of text parts.")
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        return _generation(body, [messages], _optional_int(body, "max_completion_tokens", None), "max_completion_tokens")
-    return _generation(body, [messages], _optional_int(body, "max_tokens", None))
 
 
 def message_text(message: dict) -> dict:
@@ -115,11 +120,13 @@ def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_pa
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", "give a non-empty string or a list of at most 4 of them.")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise bad("stream_options", "only {\"include_usage\": true|false} is supported.")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise bad("stream_options", "give {\"include_usage\": true|false} and, as vLLM, \"continuous_usage_stats\": true|false.")
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    continuous = _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     return Generation(prompts, max_tokens, SamplingParams(temperature, top_p, seed), stop,
-                      stream=_flag(body, "stream"), include_usage=bool((options or {}).get("include_usage")),
+                      stream=_flag(body, "stream"), include_usage=include_usage, continuous_usage=include_usage and continuous,
                       ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"),
                       max_tokens_param=max_tokens_param)
 
@@ -176,10 +183,34 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad(name, f"{value!r}: give true or false.")
+        raise bad(param or name, f"{value!r}: give true or false.")
     return value
+
+
+def parse_tokenize(body: dict) -> tuple[str | None, list | None, bool]:
+    """vLLM's /tokenize: (prompt text, or chat messages rendered as a chat request's; add_special_tokens)."""
+    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise bad("prompt", "give a \"prompt\" string or chat \"messages\", one of them.")
+    if prompt is not None and not isinstance(prompt, str):
+        raise bad("prompt", "give a string.")
+    if messages is not None:
+        _check_messages(messages)
+    if body.get("add_generation_prompt", True) is not True:
+        raise bad("add_generation_prompt", "only true (messages are rendered as a chat request's) is supported.")
+    return prompt, messages, _flag({"add_special_tokens": True, **body}, "add_special_tokens")
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> list[int]:
+    """vLLM's /detokenize: the token ids, each in the vocabulary."""
+    _check_fields(body, {"model", "tokens"})
+    tokens = body.get("tokens")
+    if not _is_ids(tokens) or not all(0 <= t < vocab_size for t in tokens):
+        raise bad("tokens", f"give a list of token ids in [0, {vocab_size}).")
+    return tokens

@@ -81,6 +81,35 @@ def test_openai_client_completions_and_chat(client, reference):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_vllm_extensions_that_clients_send(client, server):
+    """guidellm's stream_options.continuous_usage_stats (usage in every chunk), /tokenize,
+    /detokenize, /version; unknown fields stay 400s naming them."""
+    ids = PROMPTS[3]
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(ids) for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6  # (tokens may arrive together: fast steps)
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    status, body = request("POST", f"{server.url}/tokenize", {"model": "tiny", "prompt": "Hello"}, auth)
+    assert status == 200 and body["tokens"] == ByteTokenizer(320).encode("Hello") and body["count"] == 5
+    assert body["max_model_len"] == 256
+    status, back = request("POST", f"{server.url}/detokenize", {"tokens": body["tokens"]}, auth)
+    assert status == 200 and back["prompt"] == "Hello"
+    status, chat = request("POST", f"{server.url}/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, auth)
+    assert status == 200 and chat["count"] > len("Hi")  # (rendered by the chat template)
+    status, version = request("GET", f"{server.url}/version", None)
+    assert status == 200 and version["version"]
+    for path, body, param in (("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"), ("/tokenize", {}, "prompt"),
+                              ("/detokenize", {"tokens": [5, 320]}, "tokens"),
+                              ("/v1/completions", {"prompt": "x", "stream_options": {"continuous_usage_stats": 1}},
+                               "stream_options.continuous_usage_stats")):
+        status, reply = request("POST", f"{server.url}{path}", body, auth)
+        assert status == 400 and reply["error"]["param"] == param, (path, body, reply)
+    assert request("POST", f"{server.url}/tokenize", {"prompt": "x"})[0] == 401  # (the key is asked, as everywhere)
+
+
 def test_32_concurrent_clients_get_deepinfer_runs_tokens(server, reference):
     async def one(client, i):
         kwargs = dict(model="tiny", prompt=PROMPTS[i], max_tokens=ASKED[i], temperature=0,

@@ -39,10 +39,9 @@ def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_
                  contexts: dict[str, list[int]] | None = None) -> Engine:
     """Speculative decoding drafts as many tokens a step as the model was built for (build_model(draft_tokens=k))."""
     executor = EagerExecutor(model, max_seqs, max_len)
-    speculative = getattr(model.config, "draft_tokens", 0)
-    rows = speculative_buckets(list(decode_buckets), speculative)
-    return Engine(executor, prefill_buckets, rows, max_seqs, max_len, model.config.eos_token_id, contexts=contexts,
-                  speculative=speculative)
+    k = model.config.draft_tokens
+    return Engine(executor, prefill_buckets, speculative_buckets(list(decode_buckets), k), max_seqs, max_len,
+                  model.config.eos_token_id, contexts=contexts, speculative=k)
 
 
 @click.command()

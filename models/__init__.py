@@ -137,9 +137,6 @@ def build_model(
 
 def mtp_problem(config) -> str | None:
     """Why this model cannot draft with multi-token prediction (MTP) modules, or None."""
-    if not hasattr(config, "draft_tokens"):
-        return (f"MTP speculative decoding is not built for {type(config).__name__} yet; leave the recipe's "
-                "speculative section out for this model.")
     if not config.num_nextn_predict_layers:
         return ("the model has no MTP module to draft with (its config says num_nextn_predict_layers: 0 or nothing): "
                 "use a checkpoint that has one (DeepSeek-V3's release does), or leave speculative decoding off.")

@@ -443,7 +443,10 @@ class LMHead(nn.Module):
         """-> logits [R, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
         if last_index is not None:
             h, post, pending = (t.index_select(0, last_index) for t in (h, post, pending))
-        streams = mixed_streams(h, post, pending)
+        return self.logits(mixed_streams(h, post, pending))
+
+    def logits(self, streams):
+        """The residual streams [R, n, D] -> logits [R, V] float32."""
         return self.project(self.norm(hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps)))
 
     def project(self, x):
@@ -469,8 +472,9 @@ class HeadKeepingHidden(LMHead):
     (slot, position) in the MTP's `hidden` state, the input the drafts start from."""
 
     def forward(self, h, post, pending, positions, write_slots, hidden, last_index=None):
-        hidden.index_put_((write_slots, positions), mixed_streams(h, post, pending).flatten(1))
-        return super().forward(h, post, pending, last_index)
+        streams = mixed_streams(h, post, pending)  # [R, n, D]
+        hidden.index_put_((write_slots, positions), streams.flatten(1))
+        return self.logits(streams if last_index is None else streams.index_select(0, last_index))
 
 
 class MTPBlock(DecoderLayer):

@@ -53,7 +53,8 @@ class OpenAIServer:
             routes=[Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
                     Route("/v1/chat/completions", self._counted("chat", self.chat), methods=["POST"]),
                     Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics_page),
-                    Route("/tokenize", self.tokenize, methods=["POST"]), Route("/detokenize", self.detokenize, methods=["POST"]),
+                    Route("/tokenize", self._counted("tokenize", self.tokenize), methods=["POST"]),
+                    Route("/detokenize", self._counted("detokenize", self.detokenize), methods=["POST"]),
                     Route("/version", self.version)],
             exception_handlers={APIError: _api_error, HTTPException: _http_error},
             lifespan=self._lifespan)

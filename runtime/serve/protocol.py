@@ -183,10 +183,10 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
-def _flag(body: dict, name: str, param: str | None = None) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict, name: str, param: str | None = None, default: bool = False) -> bool:
+    value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise bad(param or name, f"{value!r}: give true or false.")
     return value
@@ -204,7 +204,7 @@ def parse_tokenize(body: dict) -> tuple[str | None, list | None, bool]:
         _check_messages(messages)
     if body.get("add_generation_prompt", True) is not True:
         raise bad("add_generation_prompt", "only true (messages are rendered as a chat request's) is supported.")
-    return prompt, messages, _flag({"add_special_tokens": True, **body}, "add_special_tokens")
+    return prompt, messages, _flag(body, "add_special_tokens", default=True)
 
 
 def parse_detokenize(body: dict, vocab_size: int) -> list[int]:

@@ -16,6 +16,7 @@ from deepinfer.models import DTYPES, Layout, LayoutError, build_model, check_che
 from deepinfer.models.quantization import SCALE_SUFFIX
 from deepinfer.models.checkpoint import SafetensorsDir
 from deepinfer.models.parallel import shard
+from deepinfer.models.prompt_scoring import TOP as SCORE_TOP
 from deepinfer.runtime.errors import DeepinferError
 from deepinfer.runtime.manifest import KVSpec, Manifest, Program, Region, ScheduleStep, StateTensor, TensorSpec
 from deepinfer.runtime.versions import toolchain_versions
@@ -327,7 +328,8 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
                           [_spec(v) for v in output_values(gm)]) for fp, gm in the_plan.regions.items()}
     manifest = Manifest(
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
-        parallel=recipe.parallel, buckets=recipe.program_buckets(), contexts=recipe.program_contexts(), speculative=recipe.speculative, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
+        parallel=recipe.parallel, buckets=recipe.program_buckets(), contexts=recipe.program_contexts(), speculative=recipe.speculative,
+        prompt_logprobs=SCORE_TOP if recipe.prompt_logprobs else 0, kv=the_plan.kv, state=the_plan.state, programs=the_plan.programs, regions=regions,
         weight_files=[f"weights/rank-{r}.safetensors" for r in range(layout.world_size)], tokenizer="tokenizer.json" if "tokenizer.json" in carried else None,
         vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"],
         chat_template="chat_template.json" if "chat_template.json" in carried else None,

@@ -12,6 +12,7 @@ import torch
 
 from deepinfer.compiler.recipe import speculative_buckets
 from deepinfer.models import ARCHS, build_model
+from deepinfer.models.prompt_scoring import TOP as SCORE_TOP
 from deepinfer.models.state import allocate, context_view
 from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.tokenizer import load_tokenizer
@@ -36,12 +37,14 @@ class EagerExecutor:
 
 
 def eager_engine(model, prefill_buckets=(16, 64), decode_buckets=(1, 2, 4), max_seqs=4, max_len=256,
-                 contexts: dict[str, list[int]] | None = None) -> Engine:
-    """Speculative decoding drafts as many tokens a step as the model was built for (build_model(draft_tokens=k))."""
+                 contexts: dict[str, list[int]] | None = None, prefix_caching: bool = True) -> Engine:
+    """Speculative decoding drafts as many tokens a step as the model was built for (build_model(draft_tokens=k));
+    prompts can be scored (the eager model has every method)."""
     executor = EagerExecutor(model, max_seqs, max_len)
     k = model.config.draft_tokens
+    entries = [s.positions_per_entry for layer in executor.specs for s in layer]
     return Engine(executor, prefill_buckets, speculative_buckets(list(decode_buckets), k), max_seqs, max_len,
-                  model.config.eos_token_id, contexts=contexts, speculative=k)
+                  model.config.eos_token_id, model.config.vocab_size, contexts, k, SCORE_TOP, entries, prefix_caching)
 
 
 @click.command()

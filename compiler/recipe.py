@@ -45,22 +45,29 @@ class Recipe:
     output: Path
     raw: dict = field(repr=False, default_factory=dict)  # the recipe as written, for the manifest
     speculative: int = 0  # draft tokens a decode step verifies (speculative.num_tokens; 0: off)
+    prompt_logprobs: bool = False  # also compile score programs: prompt tokens' logprobs (echo)
 
     def program_buckets(self) -> dict[str, list[int]]:
         """The traced programs' buckets, in rows. With k draft tokens a decode step verifies each
         sequence's last token and its drafts (B (k + 1) rows for a bucket of B sequences), and a
         draft step takes the same rows: each sequence's tokens the MTP module has not seen (at
-        most k + 1), then drafts k tokens in the same program."""
-        if not self.speculative:
-            return self.buckets
-        rows = speculative_buckets(self.buckets["decode"], self.speculative)
-        return {"prefill": self.buckets["prefill"], "decode": rows, "draft": rows}
+        most k + 1), then drafts k tokens in the same program. Score programs (prompt_logprobs)
+        are prefill chunks: the prefill buckets."""
+        buckets = dict(self.buckets)
+        if self.speculative:
+            buckets["decode"] = buckets["draft"] = speculative_buckets(self.buckets["decode"], self.speculative)
+        if self.prompt_logprobs:
+            buckets["score"] = self.buckets["prefill"]
+        return buckets
 
     def program_contexts(self) -> dict[str, list[int]]:
-        """Context buckets per traced method: draft steps take the decode steps'."""
+        """Context buckets per traced method: draft steps take the decode steps', score steps the prefill steps'."""
+        contexts = dict(self.contexts)
         if self.speculative and "decode" in self.contexts:
-            return {**self.contexts, "draft": self.contexts["decode"]}
-        return self.contexts
+            contexts["draft"] = self.contexts["decode"]
+        if self.prompt_logprobs and "prefill" in self.contexts:
+            contexts["score"] = self.contexts["prefill"]
+        return contexts
 
 
 def speculative_buckets(decode: list[int], k: int) -> list[int]:
@@ -83,6 +90,7 @@ SCHEMA = {
     "regions": {"split_layers": (bool, True), "boundaries": (list, [])},
     "backend": {"name": (str, "inductor"), "options": (dict, {})},
     "speculative": {"method": (str, None), "num_tokens": (int, None)},
+    "prompt_logprobs": (bool, False),
     "output": (str, None),
 }
 SPECULATIVE_METHODS = ("mtp",)
@@ -209,6 +217,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         output=Path(output or values["output"] or f"artifacts/{values['name']}"),
         raw=raw,
         speculative=speculative,
+        prompt_logprobs=values["prompt_logprobs"],
     )
 
 

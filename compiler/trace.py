@@ -76,7 +76,7 @@ class _Call(nn.Module):
 
 def example_step_inputs(method: str, bucket: int) -> list[torch.Tensor]:
     """Step inputs of one (method, bucket), in STEP_FIELDS order (int64 index tensors)."""
-    sizes = {"tokens": bucket, "positions": bucket, "slots": bucket, "read_slot": 1, "last_index": 1}
+    sizes = {"tokens": bucket, "positions": bucket, "slots": bucket, "read_slot": 1, "last_index": 1, "targets": bucket}
     return [torch.zeros(sizes[name], dtype=torch.int64) for name in STEP_FIELDS[method]]
 
 

@@ -12,6 +12,8 @@ every layer of its kind:
         one chunk of one sequence; attention covers the cached prefix plus the chunk (causal).
     decode(tokens [B], positions [B], slots [B], kv) -> logits [B, V]
         one token for each of B sequences.
+    score(tokens, positions, write_slots, read_slot, last_index, targets [T], kv) -> [T (2 TOP + 1) + V]
+        a prefill chunk that also scores each row's next prompt token (models/prompt_scoring.py).
 
 State: one tensor per layer ("latent"), [max_seqs + 1, max_len, kv_lora_rank + qk_rope_head_dim],
 holding the normalized latent and the rotated rope key; written in place. Slot `max_seqs` is
@@ -30,6 +32,7 @@ import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinf
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
 from .moe import routed_experts
 from .parallel import Layout, rank_buffers
+from .prompt_scoring import PromptScorer
 from .quantization import Fp8Blocks, expert_weights, linear, linear_weight, stacked_experts
 from .speculative import chain_drafts
 from .state import StateSpec, allocate
@@ -403,6 +406,7 @@ class DeepseekV3(nn.Module):
         self.mtp = nn.ModuleList([MTPLayer(config, self.embed, layout)] if config.draft_tokens else [])
         self.mtp_prefill = nn.ModuleList(MTPPrefill(layer) for layer in self.mtp)
         self.head = (HeadKeepingHidden if config.draft_tokens else LMHead)(config, layout.tp)
+        self.scorer = PromptScorer()
         self.tie_weights()
 
     def tie_weights(self):
@@ -427,13 +431,21 @@ class DeepseekV3(nn.Module):
         return allocate(self.state_specs(max_seqs, max_len))
 
     def prefill(self, tokens, positions, write_slots, read_slot, last_index, state):
+        return self._prefill(tokens, positions, write_slots, read_slot, state, last_index)  # [1, V]
+
+    def score(self, tokens, positions, write_slots, read_slot, last_index, targets, state):
+        """A prefill chunk that also scores every row (prompt logprobs: models/prompt_scoring.py)."""
+        return self.scorer(self._prefill(tokens, positions, write_slots, read_slot, state), targets, last_index)
+
+    def _prefill(self, tokens, positions, write_slots, read_slot, state, *last_index):
+        """-> logits [T, V], or [1, V] at `last_index` when given."""
         h, pending, cos, sin = self.embed(tokens, positions)
         for layer, layer_state in zip(self.layers, state):
             h, pending = layer(h, pending, cos, sin, positions, write_slots, read_slot, *layer_state)
         if not self.mtp:
-            return self.head(h, pending, last_index)  # [1, V]
+            return self.head(h, pending, *last_index)
         latent, hidden = state[len(self.layers)]
-        logits = self.head(h, pending, positions, write_slots, hidden, last_index)
+        logits = self.head(h, pending, positions, write_slots, hidden, *last_index)
         self.mtp_prefill[0](tokens, positions, write_slots, read_slot, latent, hidden)
         return logits
 

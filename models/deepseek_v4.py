@@ -49,6 +49,7 @@ from .deepseek_v3 import rope_frequencies
 from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, layer_kind
 from .moe import routed_experts
 from .parallel import Layout, rank_buffers
+from .prompt_scoring import PromptScorer
 from .quantization import expert_weights, linear, linear_weight, stacked_experts
 from .speculative import blocks, chain_drafts
 from .state import StateSpec, allocate
@@ -564,6 +565,7 @@ class DeepseekV4(nn.Module):
         # Speculative decoding's drafter: the checkpoint's first MTP module (chained past it, as V3's).
         self.mtp = nn.ModuleList([MTPBlock(config, self.embed, self.head, layout)] if config.draft_tokens else [])
         self.mtp_prefill = nn.ModuleList(MTPPrefill(layer) for layer in self.mtp)
+        self.scorer = PromptScorer()
         self.tie_weights()
 
     @staticmethod
@@ -591,13 +593,21 @@ class DeepseekV4(nn.Module):
         return allocate(self.state_specs(max_seqs, max_len))
 
     def prefill(self, tokens, positions, slots, read_slot, last_index, state):
+        return self._prefill(tokens, positions, slots, read_slot, last_index, state, last_index)  # [1, V]
+
+    def score(self, tokens, positions, slots, read_slot, last_index, targets, state):
+        """A prefill chunk that also scores every row (prompt logprobs: models/prompt_scoring.py)."""
+        return self.scorer(self._prefill(tokens, positions, slots, read_slot, last_index, state), targets, last_index)
+
+    def _prefill(self, tokens, positions, slots, read_slot, last_index, state, *head_row):
+        """-> logits [T, V], or [1, V] at `head_row` when given."""
         h, post, pending, *rope, start, end = self.embed(tokens, positions, slots, last_index)  # (positional: traced)
         for layer, layer_state in zip(self.layers, state):
             h, post, pending = layer(h, post, pending, *rope, tokens, start, end, read_slot, *layer_state)
         if not self.mtp:
-            return self.head(h, post, pending, last_index)  # [1, V]
+            return self.head(h, post, pending, *head_row)
         mtp_state = state[len(self.layers)]
-        logits = self.head(h, post, pending, positions, slots, mtp_state[-1], last_index)
+        logits = self.head(h, post, pending, positions, slots, mtp_state[-1], *head_row)
         self.mtp_prefill[0](tokens, positions, slots, *mtp_state)
         return logits
 

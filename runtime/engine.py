@@ -16,6 +16,16 @@ slot (index max_seqs). Where the bundle has context buckets, a step runs the pro
 smallest context that holds its longest sequence, so a short conversation does not pay for
 the pool's kv.max_len.
 
+Prefix caching: a finished sequence's state stays in its slot until the slot is needed (the
+least recently used free slot goes first). A new prompt starting with the tokens a free slot
+holds takes that slot and prefills only the rest: exact, since positions past the reused prefix
+are rewritten before any query reads them. What is reusable is read from the state specs as data:
+with only position-indexed state any prefix is (rounded down to whole compressed entries); a
+fixed-size state (a sliding window's ring, a compressor's buffer) holds the slot's last positions
+only, so there a prompt must continue the whole cached sequence (a chat resending its history).
+An MTP module lags the main model by the tokens it has not drafted over: those few are prefilled
+again (the same tokens at the same positions write the same state).
+
 Speculative decoding (a bundle compiled with `speculative`, k draft tokens): a sequence's decode
 step verifies its last token and the k tokens its MTP module drafted, all in one step of the
 main model (rows at consecutive positions attend each other causally), and emits the accepted
@@ -35,14 +45,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DeepinferError
-from .sampling import SamplingParams, sample, verify_drafts
+from .sampling import SamplingParams, adjust, token_logprobs, verify_drafts
 from .step import Step
 
 
 @dataclass
 class Request:
     prompt_ids: list[int]
-    max_tokens: int = 32
+    max_tokens: int = 32  # 0: none (only with sampling.prompt_logprobs: the prompt is scored)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks with fixed output lengths)
 
@@ -51,11 +61,15 @@ class Request:
 class Result:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "eos" | "max_tokens" | "context" | "cancelled" | "error"
+    finish_reason: str = ""  # "eos" | "stop_token" | "max_tokens" | "context" | "cancelled" | "error"
     error: str = ""  # with finish_reason "error": what failed (this request only; the engine goes on)
     ttft: float = 0.0  # seconds from submission to the first token
     token_times: list[float] = field(default_factory=list)  # seconds from submission to each token
     decode_steps: int = 0  # decode steps that emitted its tokens after the first
+    # With sampling.logprobs / prompt_logprobs: per generated token / per prompt token after the
+    # first, (its logprob, [(token, logprob)] of the most likely, most likely first).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -101,20 +115,31 @@ class Sequence:
         return len(self.request.prompt_ids) + len(self.result.token_ids) - 1
 
 
-def check_request(request: Request, vocab_size: int | None, max_len: int):
+def check_request(request: Request, vocab_size: int | None, max_len: int, score_top: int = 0):
     """Refuse what the compiled graphs cannot take: they index embeddings and the cache with
-    these values and no bounds checks. (deepinfer-run calls it before the bundle loads too.)"""
+    these values and no bounds checks. (deepinfer-run calls it before the bundle loads too.)
+    `score_top`: the top tokens the bundle's score programs return (0: it has none)."""
     n = len(request.prompt_ids)
     if n == 0:
         raise DeepinferError("empty prompt: give at least one token.")
+    request.sampling.check()
     if vocab_size is not None:
         bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         if bad:
             raise DeepinferError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}); "
                                  "prompt ids must come from this model's tokenizer.")
-    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-        raise DeepinferError(f"max_tokens={request.max_tokens!r}: give at least 1.")
-    request.sampling.check()
+        bad = [t for t in request.sampling.token_ids() if not 0 <= t < vocab_size]
+        if bad:
+            raise DeepinferError(f"token id {bad[0]} (logit_bias or stop_token_ids) is outside the model's vocabulary "
+                                 f"[0, {vocab_size}).")
+    scored = request.sampling.prompt_logprobs is not None
+    if scored and request.sampling.prompt_logprobs > score_top:
+        raise DeepinferError(
+            f"prompt_logprobs={request.sampling.prompt_logprobs}: " + (
+                f"this bundle scores prompts with at most {score_top} top tokens." if score_top else
+                "this bundle was compiled without score programs; compile its recipe with `prompt_logprobs: true`."))
+    if not isinstance(request.max_tokens, int) or request.max_tokens < (0 if scored else 1):
+        raise DeepinferError(f"max_tokens={request.max_tokens!r}: give at least 1 (0 only when the prompt is scored).")
     if n >= max_len:
         raise DeepinferError(
             f"prompt of {n} tokens is past the context limit: the bundle's KV pool holds "
@@ -125,33 +150,41 @@ def check_request(request: Request, vocab_size: int | None, max_len: int):
 
 class Engine:
     def __init__(self, executor, prefill_buckets, decode_buckets, max_seqs: int, max_len: int, eos_id: int | None,
-                 vocab_size: int | None = None, contexts: dict[str, list[int]] | None = None, speculative: int = 0):
+                 vocab_size: int, contexts: dict[str, list[int]] | None = None, speculative: int = 0,
+                 prompt_logprobs: int = 0, entry_positions: list[int | None] = (1,), prefix_caching: bool = True):
         """Buckets in rows: with `speculative` k draft tokens a decode bucket holds k + 1 rows a
-        sequence, and the draft steps take the same buckets."""
+        sequence, and the draft steps take the same buckets. `prompt_logprobs`: the top tokens
+        the score programs return per row (0: the executor has none). `entry_positions`: each
+        state tensor's positions per entry (None: fixed size), what prefix caching may reuse."""
         self.executor = executor
         self.prefill_buckets = sorted(prefill_buckets)
         self.decode_buckets = sorted(decode_buckets)
-        self.speculative = speculative
+        self.speculative, self.prompt_logprobs = speculative, prompt_logprobs
         # Per draft position: drafts verified, and accepted (the acceptance rate by position).
         self.drafted, self.accepted = [0] * speculative, [0] * speculative
         self.contexts = contexts or {}  # method -> context buckets, the largest kv.max_len
         self.max_seqs, self.max_len, self.eos_id, self.vocab_size = max_seqs, max_len, eos_id, vocab_size
-        self.vocab_limit = math.inf if vocab_size is None else vocab_size
         self.scratch = max_seqs
         self.padding = (0, 0, self.scratch)  # a (token, position, slot) row that changes nothing
+        self.prefix_caching = prefix_caching
+        self.fixed_size_state = None in entry_positions
+        self.entry_positions = math.lcm(*[r for r in entry_positions if r])  # a reused prefix is a multiple of it
+        self.cached: dict[int, tuple[list[int], int]] = {}  # free slot -> (tokens its state holds, positions reusable)
+        self.prefix_hits = self.prefix_hit_tokens = self.prefix_evictions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: holding a slot, prefilling or decoding
         self.free_slots = list(range(max_seqs))
 
     @classmethod
-    def for_bundle(cls, executor) -> "Engine":
+    def for_bundle(cls, executor, prefix_caching: bool = True) -> "Engine":
         """The engine a loaded bundle's manifest describes."""
         m = executor.manifest
+        entries = [t.positions_per_entry for layer in m.state for t in layer] if m.state is not None else [1]
         return cls(executor, m.buckets["prefill"], m.buckets["decode"], m.kv.max_seqs, m.kv.max_len, m.eos_token_id,
-                   m.vocab_size, m.contexts, m.speculative)
+                   m.vocab_size, m.contexts, m.speculative, m.prompt_logprobs, entries, prefix_caching)
 
     def check(self, request: Request):
-        check_request(request, self.vocab_size, self.max_len)
+        check_request(request, self.vocab_size, self.max_len, self.prompt_logprobs)
 
     def submit(self, request: Request, seed: int | None = None) -> Sequence:
         """Queue a request (checked first); its sampling generator starts from `seed` (default: its own)."""
@@ -178,15 +211,13 @@ class Engine:
         """One iteration (see the module docstring). Returns the sequences that got a token or
         finished, in the order they did."""
         while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop(0)
-            self.running.append(seq)
+            self._admit(self.waiting.popleft())
         updated = []
         prefilling = next((s for s in self.running if s.prefilled < len(s.request.prompt_ids)), None)
         if prefilling is not None:
             logits = self._prefill_chunk(prefilling)
             if prefilling.decoding:  # its whole prompt is in: the first token
-                self._append(prefilling, logits)
+                self._first_token(prefilling, logits)
                 updated.append(prefilling)
         decoding = [s for s in self.running if s.decoding and s not in updated]  # (each has its first token)
         if decoding:
@@ -209,27 +240,79 @@ class Engine:
     def _retire(self):
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
-            self.free_slots.append(seq.slot)
+            self.free_slots.append(seq.slot)  # (appended: the list runs from least to most recently used)
+            if self.prefix_caching and seq.result.finish_reason != "error":
+                self.cached[seq.slot] = self._held(seq)
+
+    def _admit(self, seq: Sequence):
+        """Give a sequence a free slot: the one holding the longest reusable prefix of its prompt
+        (then only the rest is prefilled), else an empty one, else the least recently used."""
+        slot, reused = None, 0
+        if self.prefix_caching and seq.request.sampling.prompt_logprobs is None:  # (a scored prompt runs whole)
+            for free in self.free_slots:
+                n = self._reusable(*self.cached.get(free, ((), 0)), seq.request.prompt_ids)
+                if n > reused:
+                    slot, reused = free, n
+        if slot is None:
+            slot = next((s for s in self.free_slots if s not in self.cached), self.free_slots[0])
+        self.free_slots.remove(slot)
+        if reused:
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += reused
+        elif self.cached.get(slot, ((), 0))[0]:
+            self.prefix_evictions += 1
+        self.cached.pop(slot, None)
+        seq.slot, seq.prefilled = slot, reused
+        self.running.append(seq)
+
+    def _reusable(self, tokens: list[int], usable: int, prompt: list[int]) -> int:
+        """Prompt positions a slot holding the state of `tokens` gives (reusable up to `usable`)."""
+        common = next((i for i, (a, b) in enumerate(zip(tokens, prompt)) if a != b), min(len(tokens), len(prompt)))
+        n = min(common, usable, len(prompt) - 1)  # (one prompt token at least is prefilled: its logits give the next)
+        if self.fixed_size_state:  # rings hold the last positions: only a prompt continuing all the tokens reuses
+            return n if common == len(tokens) else 0  # (n < len(tokens): the same tokens rewritten, as a verify step does)
+        return n - n % self.entry_positions
+
+    def _held(self, seq: Sequence) -> tuple[list[int], int]:
+        """The tokens whose state a retiring sequence leaves in its slot, and how many of them a
+        later prompt can reuse: an MTP module has not run over the last `unseen` tokens (a
+        prefill of position p rewrites its entry at p - 1 itself, hence one more)."""
+        ids = seq.request.prompt_ids
+        fed = (ids + seq.result.token_ids)[: seq.prefilled + max(len(seq.result.token_ids) - 1, 0)]
+        lag = max(seq.unseen - 1, 0) if self.speculative else 0
+        return fed, len(fed) - lag
 
     def _prefill_chunk(self, seq: Sequence) -> torch.Tensor:
-        """The prompt's next chunk: the largest bucket while more remains, then the smallest that fits."""
+        """The prompt's next chunk: the largest bucket while more remains, then the smallest that
+        fits. A prompt whose logprobs are asked for runs score steps: each row also scores the
+        prompt's next token. -> the logits after the chunk [V]."""
         ids, done = seq.request.prompt_ids, seq.prefilled
         remaining = len(ids) - done
         bucket = next((b for b in self.prefill_buckets if b >= remaining), self.prefill_buckets[-1])
         n = min(bucket, remaining)
         pad = bucket - n
+        scored = seq.request.sampling.prompt_logprobs is not None
         step = Step(
-            "prefill",
+            "score" if scored else "prefill",
             tokens=torch.tensor(ids[done : done + n] + [0] * pad),
             positions=torch.tensor(list(range(done, done + n)) + [0] * pad),
             slots=torch.tensor([seq.slot] * n + [self.scratch] * pad),
             read_slot=torch.tensor([seq.slot]),
             last_index=torch.tensor([n - 1]),
-            context=self._context("prefill", done + n),
+            context=self._context("prefill", done + n),  # (score steps have the prefill steps' contexts)
+            targets=torch.tensor(ids[done + 1 : done + n + 1] + [0] * (bucket - len(ids[done + 1 : done + n + 1]))) if scored else None,
         )
-        logits = self.executor.run(step)
+        out = self.executor.run(step)
         seq.prefilled += n
-        return logits[0]
+        if not scored:
+            return out[0]
+        width = 2 * self.prompt_logprobs + 1  # per row: the target's logprob, the top logprobs, their ids
+        scores = out[: bucket * width].view(bucket, width)[: len(ids[done + 1 : done + n + 1])].tolist()
+        top = seq.request.sampling.prompt_logprobs
+        for row in scores:
+            ranked = row[1 + self.prompt_logprobs : 1 + self.prompt_logprobs + top]
+            seq.result.prompt_logprobs.append((row[0], [(int(t), v) for t, v in zip(ranked, row[1 : 1 + top])]))
+        return out[bucket * width :]
 
     def _decode(self, seqs: list[Sequence]):
         """A decode step for every given sequence, in groups of at most the largest bucket: each
@@ -242,22 +325,50 @@ class Engine:
                 self._verify(seq, block[: len(seq_rows)])
 
     def _verify(self, seq: Sequence, logits: torch.Tensor):
-        drafts, result = seq.drafts, seq.result
-        try:
-            tokens = verify_drafts(logits, drafts, seq.request.sampling, seq.generator)
-        except RuntimeError as err:
-            _sampling_failed(result, err)
+        drafts = seq.drafts
+        seq.drafts = []
+        tokens = self._choose(seq, logits, drafts)
+        if tokens is None:
             return
         for j in range(len(drafts)):
             self.drafted[j] += 1
             self.accepted[j] += j < len(tokens) - 1
-        seq.drafts = []
-        result.decode_steps += 1
-        for token in tokens:
-            self._emit(seq, token)
+        seq.result.decode_steps += 1
+        for token, logprobs in zip(tokens, self._logprobs(seq, logits, tokens)):
+            self._emit(seq, token, logprobs)
             seq.unseen += 1
             if seq.finished:
                 break
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor):
+        """Sample the token after a prompt (logits [V]) and emit it; with max_tokens 0 (a prompt
+        only scored) the sequence ends here."""
+        if seq.request.max_tokens == 0:
+            seq.result.finish_reason = "max_tokens"
+            return
+        tokens = self._choose(seq, logits[None], [])
+        if tokens is not None:
+            self._emit(seq, tokens[0], next(iter(self._logprobs(seq, logits[None], tokens))))
+            seq.unseen = 1
+
+    def _choose(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[int] | None:
+        """The tokens to emit from the model's logits [len(drafts) + 1, V] at the last token and
+        at each draft (sampling.verify_drafts), after the request's logit adjustments as they
+        stand at each row (row j follows drafts[:j]). None: sampling failed (the request did)."""
+        params, generated = seq.request.sampling, seq.result.token_ids
+        stop_ids = list(params.stop_token_ids) + ([] if self.eos_id is None or seq.request.ignore_eos else [self.eos_id])
+        histories = [generated + drafts[:j] for j in range(len(drafts) + 1)]
+        try:
+            adjusted = adjust(logits, params, seq.request.prompt_ids, histories, stop_ids)
+            return verify_drafts(adjusted, drafts, params, seq.generator)
+        except RuntimeError as err:
+            _sampling_failed(seq.result, err)
+            return None
+
+    def _logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list:
+        """Per emitted token (row j of logits), its logprob and the top ones, when the request asks."""
+        top = seq.request.sampling.logprobs
+        return [None] * len(tokens) if top is None else token_logprobs(logits[: len(tokens)], tokens, top)
 
     def _draft(self, seqs: list[Sequence]):
         """The next drafts of every given sequence, in groups of at most the largest bucket: the
@@ -273,7 +384,7 @@ class Engine:
             drafts = self._run("draft", rows, min(max(s.length for s in group) + self.speculative, self.max_len))
             for seq, proposed in zip(group, drafts.tolist()):  # drafts [bucket / (k + 1), k]
                 # (the next step indexes embeddings with them: a token outside the vocabulary ends the drafts)
-                valid = list(itertools.takewhile(lambda t: 0 <= t < self.vocab_limit, proposed))
+                valid = list(itertools.takewhile(lambda t: 0 <= t < self.vocab_size, proposed))
                 seq.drafts = valid[: self._draft_budget(seq)]
 
     def _draft_budget(self, seq: Sequence) -> int:
@@ -300,25 +411,19 @@ class Engine:
         """The smallest context bucket holding `positions` positions (None: the method has none)."""
         return next((c for c in self.contexts.get(method, ()) if c >= positions), None)
 
-    def _append(self, seq: Sequence, logits: torch.Tensor):
-        """Sample the token after a prompt and emit it."""
-        try:
-            token = int(sample(logits[None], seq.request.sampling, seq.generator)[0])
-        except RuntimeError as err:
-            _sampling_failed(seq.result, err)
-            return
-        self._emit(seq, token)
-        seq.unseen = 1
-
-    def _emit(self, seq: Sequence, token: int):
+    def _emit(self, seq: Sequence, token: int, logprobs=None):
         result = seq.result
         result.token_ids.append(token)
+        if logprobs is not None:
+            result.logprobs.append(logprobs)
         now = time.perf_counter() - seq.submitted
         result.token_times.append(now)
         if len(result.token_ids) == 1:
             result.ttft = now
         if token == self.eos_id and not seq.request.ignore_eos:
             result.finish_reason = "eos"
+        elif token in seq.request.sampling.stop_token_ids:
+            result.finish_reason = "stop_token"
         elif len(result.token_ids) >= seq.request.max_tokens:
             result.finish_reason = "max_tokens"
         elif seq.length >= self.max_len:  # the next token would have no cache position

@@ -129,6 +129,9 @@ class BundleExecutor:
         if method == "draft":  # k draft tokens for each block of k + 1 rows
             k = self.manifest.speculative
             wanted, what = ([bucket // (k + 1), k], "int64"), "draft tokens"
+        elif method == "score":  # per row 2 top + 1 scores, then the last row's logits (models/prompt_scoring.py)
+            width = bucket * (2 * self.manifest.prompt_logprobs + 1) + self.manifest.vocab_size
+            wanted, what = ([width], "float32"), "scores and logits"
         else:
             wanted, what = ([1 if method == "prefill" else bucket, self.manifest.vocab_size], "float32"), "logits"
         if known.get(program.output) != wanted:

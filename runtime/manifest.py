@@ -120,6 +120,7 @@ class Manifest:
     chat_template: str | None = None  # relative path of chat_template.json, when the checkpoint has a template
     contexts: dict = field(default_factory=dict)  # method -> sorted context buckets (ending at kv.max_len), when it has them
     speculative: int = 0  # draft tokens a decode step verifies (MTP speculative decoding; 0: off)
+    prompt_logprobs: int = 0  # top tokens a score program returns per prompt position (0: no score programs)
 
     def state_tensors(self) -> dict[str, TensorSpec]:
         """Every state tensor the runtime allocates, by the name programs use."""
@@ -212,18 +213,24 @@ def check_manifest(m: Manifest, where: str):
     k = m.speculative
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 16:
         bad(f"speculative {k!r} must be a small count of draft tokens (0: off)")
-    methods = ("prefill", "decode", "draft") if k else ("prefill", "decode")
+    top = m.prompt_logprobs
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 64:
+        bad(f"prompt_logprobs {top!r} must be a small count of top tokens (0: no score programs)")
+    methods = ("prefill", "decode") + ("draft",) * bool(k) + ("score",) * bool(top)
     if set(m.buckets) != set(methods):
         bad(f"buckets name {sorted(m.buckets)}, not the methods {list(methods)}")
     for method in methods:
         buckets = m.buckets.get(method)
         if not isinstance(buckets, list) or not buckets or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets):
             bad(f"buckets.{method} {buckets!r} must be a list of positive integers")
-        rows = kv.max_len if method == "prefill" else kv.max_seqs * (k + 1)
-        if max(buckets) > rows or method != "prefill" and any(b % (k + 1) for b in buckets):
+        chunks = method in ("prefill", "score")  # one sequence's prompt chunk
+        rows = kv.max_len if chunks else kv.max_seqs * (k + 1)
+        if max(buckets) > rows or not chunks and any(b % (k + 1) for b in buckets):
             bad(f"buckets.{method} {buckets} does not fit the KV pool")
         if method == "draft" and buckets != m.buckets["decode"]:
             bad(f"buckets.draft {buckets} are not the decode buckets {m.buckets['decode']}")
+        if method == "score" and buckets != m.buckets["prefill"]:
+            bad(f"buckets.score {buckets} are not the prefill buckets {m.buckets['prefill']}")
         contexts = m.contexts.get(method, [None])
         if method in m.contexts and (not isinstance(contexts, list) or not contexts or contexts[-1] != kv.max_len
                                    or not all(isinstance(c, int) and not isinstance(c, bool) and 0 < c for c in contexts)

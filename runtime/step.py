@@ -8,23 +8,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-METHODS = ("stop", "prefill", "decode", "draft")
+METHODS = ("stop", "prefill", "decode", "draft", "score")
 # The inputs each method's program reads, in the model's argument order (Step.inputs()). `draft`:
 # a speculative decoding draft step (the MTP module), laid out as decode; it returns draft tokens.
+# `score`: a prefill chunk that also scores each row's next prompt token (prompt logprobs).
 STEP_FIELDS = {"prefill": ("tokens", "positions", "slots", "read_slot", "last_index"), "decode": ("tokens", "positions", "slots"),
-               "draft": ("tokens", "positions", "slots")}
+               "draft": ("tokens", "positions", "slots"),
+               "score": ("tokens", "positions", "slots", "read_slot", "last_index", "targets")}
+ROW_FIELDS = ("tokens", "positions", "slots", "targets")  # [bucket] each; the step record carries them all
 HEADER_WORDS = 5  # method, bucket, read_slot, last_index, context
 
 
 @dataclass
 class Step:
-    method: str  # "prefill" | "decode" | "draft"
+    method: str  # "prefill" | "decode" | "draft" | "score"
     tokens: torch.Tensor  # [bucket] int64
     positions: torch.Tensor  # [bucket] int64
     slots: torch.Tensor  # [bucket] int64: the KV slot each row/token writes (decode, draft: also reads)
     read_slot: torch.Tensor | None = None  # [1] int64, prefill: the sequence whose cache is attended
     last_index: torch.Tensor | None = None  # [1] int64, prefill: the row whose logits are returned
     context: int | None = None  # the context bucket: every position is below it (None: the whole pool)
+    targets: torch.Tensor | None = None  # [bucket] int64, score: each row's next prompt token
 
     @property
     def bucket(self) -> int:
@@ -36,9 +40,7 @@ class Step:
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The method's inputs in the model's argument order (KV caches excluded)."""
-        if self.method == "prefill":
-            return (self.tokens, self.positions, self.slots, self.read_slot, self.last_index)
-        return (self.tokens, self.positions, self.slots)
+        return tuple(getattr(self, name) for name in STEP_FIELDS[self.method])
 
 
 def program_key(method: str, bucket: int, context: int | None) -> str:
@@ -48,21 +50,22 @@ def program_key(method: str, bucket: int, context: int | None) -> str:
 
 def payload_words(max_bucket: int) -> int:
     """Size of one encoded step record, in int64 words."""
-    return HEADER_WORDS + 3 * max_bucket
+    return HEADER_WORDS + len(ROW_FIELDS) * max_bucket
 
 
 def encode(step: Step | None, max_bucket: int) -> np.ndarray:
-    """[method, bucket, read_slot, last_index, context, tokens..., positions..., slots...] (each field
-    padded to max_bucket; -1 for a field the step has not); None means stop."""
+    """[method, bucket, read_slot, last_index, context, tokens..., positions..., slots..., targets...]
+    (each row field padded to max_bucket; -1 for a field the step has not); None means stop."""
     record = np.zeros(payload_words(max_bucket), dtype=np.int64)
     if step is None:
         return record
     n = step.bucket
     context = -1 if step.context is None else step.context
     record[:HEADER_WORDS] = [METHODS.index(step.method), n, _scalar(step.read_slot), _scalar(step.last_index), context]
-    for i, field in enumerate((step.tokens, step.positions, step.slots)):
-        start = HEADER_WORDS + i * max_bucket
-        record[start : start + n] = field.numpy()
+    for i, name in enumerate(ROW_FIELDS):
+        if getattr(step, name) is not None:
+            start = HEADER_WORDS + i * max_bucket
+            record[start : start + n] = getattr(step, name).numpy()
     return record
 
 
@@ -71,12 +74,12 @@ def decode(record: np.ndarray, max_bucket: int) -> Step | None:
     if method == "stop":
         return None
     n = int(record[1])
-    starts = [HEADER_WORDS + i * max_bucket for i in range(3)]
-    fields = [torch.from_numpy(record[start : start + n].copy()) for start in starts]
-    extra = {"context": None if record[4] < 0 else int(record[4])}
-    if method == "prefill":
-        extra.update(read_slot=torch.tensor([int(record[2])]), last_index=torch.tensor([int(record[3])]))
-    return Step(method, *fields, **extra)
+    fields = {name: torch.from_numpy(record[start : start + n].copy())
+              for name, start in ((name, HEADER_WORDS + i * max_bucket) for i, name in enumerate(ROW_FIELDS))
+              if name in STEP_FIELDS[method]}
+    if "read_slot" in STEP_FIELDS[method]:
+        fields.update(read_slot=torch.tensor([int(record[2])]), last_index=torch.tensor([int(record[3])]))
+    return Step(method, **fields, context=None if record[4] < 0 else int(record[4]))
 
 
 def _scalar(t: torch.Tensor | None) -> int:

@@ -31,6 +31,10 @@ class ByteTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
+    def decode_token(self, token: int) -> str:
+        """One token's text on its own (logprobs' token strings)."""
+        return self.decode([token])
+
 
 class HFTokenizer:
     def __init__(self, source: str, where: str):
@@ -48,6 +52,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_token(self, token: int) -> str:
+        """One token's text on its own, special tokens spelled out (logprobs' token strings)."""
+        return self._tok.decode([token], skip_special_tokens=False)
 
 
 def load_tokenizer(directory: Path | None, vocab_size: int):

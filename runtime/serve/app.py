@@ -28,7 +28,7 @@ from .template_worker import RENDER_SECONDS, TemplateRenderer
 from .text import TextStream
 
 MAX_BODY_BYTES = 4 << 20
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_tokens": "length", "context": "length"}
 
 
 class OpenAIServer:
@@ -36,8 +36,9 @@ class OpenAIServer:
     `request_exit()` asks the HTTP server to stop (set by the command line)."""
 
     def __init__(self, open_executor, model_name: str, max_queue: int, api_key: str | None = None,
-                 render_seconds: float = RENDER_SECONDS, body_seconds: float = 30.0):
+                 render_seconds: float = RENDER_SECONDS, body_seconds: float = 30.0, prefix_caching: bool = True):
         self.open_executor, self.model_name, self.max_queue, self.api_key = open_executor, model_name, max_queue, api_key
+        self.prefix_caching = prefix_caching
         self.render_seconds, self.body_seconds = render_seconds, body_seconds
         self.metrics = Metrics()
         self.engine_thread: EngineThread | None = None
@@ -65,7 +66,7 @@ class OpenAIServer:
     async def _lifespan(self, app):
         self.loop = asyncio.get_running_loop()
         self.engine_thread = EngineThread(self._load, asyncio.get_running_loop(), self.metrics,
-                                          on_ready=self._ready, on_fatal=self._fatal)
+                                          on_ready=self._ready, on_fatal=self._fatal, prefix_caching=self.prefix_caching)
         self.engine_thread.start()
         yield
         self.engine_thread.stop(timeout=60)
@@ -211,6 +212,7 @@ class OpenAIServer:
                            headers={"Retry-After": "1"})
 
     def _requests(self, generation: Generation, prompts: list[list[int]], param: str) -> list[Request]:
+        self._check_sampling(generation.sampling)
         requests = []
         max_len = self.engine.max_len
         for ids in prompts:
@@ -231,12 +233,25 @@ class OpenAIServer:
             requests.append(request)
         return requests
 
+    def _check_sampling(self, sampling):
+        """What only the loaded bundle can check, named by the parameter a client sent."""
+        vocab = self.engine.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids)):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise bad(name, f"token id {outside[0]} is outside the model's vocabulary [0, {vocab}).")
+        if sampling.prompt_logprobs is not None and not self.engine.prompt_logprobs:
+            raise bad("echo", "echo with logprobs returns the prompt's logprobs, and this bundle was compiled without "
+                              "score programs; compile its recipe with `prompt_logprobs: true`.")
+
     async def _respond(self, http: HTTPRequest, generation: Generation, prompts: list[list[int]], chat: bool) -> Response:
-        requests = self._requests(generation, prompts, "messages" if chat else "prompt")
+        """Choice i is prompt i // n's (i % n)-th sample, seeded seed + i."""
+        requests = [r for r in self._requests(generation, prompts, "messages" if chat else "prompt")
+                    for _ in range(generation.n)]
         capacity = self.engine.max_seqs + self.max_queue
         if len(requests) > capacity:
-            raise bad("prompt", f"{len(requests)} prompts in one request can never be taken: this server runs "
-                                f"{self.engine.max_seqs} and queues {self.max_queue}; send at most {capacity}.")
+            raise bad("prompt", f"{len(requests)} choices (prompts x n) in one request can never be taken: this server "
+                                f"runs {self.engine.max_seqs} and queues {self.max_queue}; ask for at most {capacity}.")
         if self.inflight + len(requests) > capacity:
             raise APIError(429, f"the server is at capacity ({self.engine.max_seqs} running and {self.max_queue} queued "
                                 "requests); retry later.", headers={"Retry-After": "1"})
@@ -246,6 +261,9 @@ class OpenAIServer:
         for handle in handles:
             self.engine_thread.submit(handle)
         reply = _Reply(self, generation, handles, chat)
+        if generation.echo:
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in generation.prompts]
+            reply.echo_texts = [t for t in texts for _ in range(generation.n)]
         if generation.stream:
             return _EventStream(reply)
         return JSONResponse(await reply.whole(http))
@@ -276,9 +294,13 @@ class _Reply:
         self.created = int(time.time())
         self.texts = [""] * len(handles)
         self.token_ids: list[list[int]] = [[] for _ in handles]
+        self.logprobs: list[list] = [[] for _ in handles]  # per choice: (token, logprob, top) of what it reports
+        self.offsets = [0] * len(handles)  # per choice: characters of text already reported (text_offset)
         self.finish: list[str | None] = [None] * len(handles)
         self.pending = set(range(len(handles)))  # prompts not finished
         self.closed = False
+        self.echo_texts: list[str] | None = None  # completions' echo: each choice's prompt text
+        self.echoed: set[int] = set()
 
     def close(self):
         """Cancel what still runs and release the reply's place in the server (once)."""
@@ -292,8 +314,9 @@ class _Reply:
         self.server.inflight -= len(self.handles)
 
     async def updates(self):
-        """(index, new text, new token ids, finish_reason or None) as the engine produces them.
-        Leaving early (a client gone, an error) cancels what is still running."""
+        """(index, new text, new token ids, new logprob entries, finish_reason or None) as the
+        engine produces them; with echo a choice's first update starts with its prompt. Leaving
+        early (a client gone, an error) cancels what is still running."""
         streams = [TextStream(self.server.tokenizer, self.generation.stop) for _ in self.handles]
         pending = self.pending
         events = self.handles[0].events
@@ -319,10 +342,15 @@ class _Reply:
                     pending.discard(i)
                 if stream.stopped:
                     self.server.engine_thread.cancel(self.handles[i])
+                entries = [(t, lp, top) for t, (lp, top) in zip(new_ids, event.logprobs)]
+                if self.echo_texts is not None and i not in self.echoed:  # the prompt first, once
+                    self.echoed.add(i)
+                    text, entries = self.echo_texts[i] + text, self._prompt_entries(i, event.prompt_logprobs) + entries
                 self.texts[i] += text
                 self.token_ids[i] += new_ids
+                self.logprobs[i] += entries
                 self.finish[i] = FINISH_REASONS[finish] if finish else None
-                yield i, text, new_ids, self.finish[i]
+                yield i, text, new_ids, entries, self.finish[i]
         finally:
             self.close()
 
@@ -342,7 +370,7 @@ class _Reply:
         if not work.done() or work.cancelled():
             return {}
         work.result()  # raises the APIError of a failed engine
-        choices = [self._choice(i, self.texts[i], self.token_ids[i], self.finish[i], whole=True)
+        choices = [self._choice(i, self.texts[i], self.token_ids[i], self.logprobs[i], self.finish[i], whole=True)
                    for i in range(len(self.handles))]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_name,
                 "choices": choices, "usage": self._usage()}
@@ -359,9 +387,9 @@ class _Reply:
             yield _event(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                        "finish_reason": None}], usage()))
         try:
-            async for i, text, ids, finish in self.updates():
-                if text or finish or (ids and self.generation.return_token_ids):
-                    yield _event(self._chunk([self._choice(i, text, ids, finish, whole=False)], usage()))
+            async for i, text, ids, entries, finish in self.updates():
+                if text or finish or (ids and (self.generation.return_token_ids or self.wants_logprobs)):
+                    yield _event(self._chunk([self._choice(i, text, ids, entries, finish, whole=False)], usage()))
         except APIError as err:
             yield _event(err.body())
         else:
@@ -369,17 +397,47 @@ class _Reply:
                 yield _event(self._chunk([], {"usage": self._usage()}))
         yield "data: [DONE]\n\n"
 
-    def _choice(self, i: int, text: str, ids: list[int], finish: str | None, whole: bool) -> dict:
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.generation.sampling.logprobs is not None
+
+    def _choice(self, i: int, text: str, ids: list[int], entries: list, finish: str | None, whole: bool) -> dict:
+        logprobs = self._logprobs(i, entries) if self.wants_logprobs else None
         if self.chat:
             content = {"role": "assistant", "content": text} if whole else {"content": text}
-            choice = {"index": i, "message" if whole else "delta": content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "message" if whole else "delta": content, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if self.generation.return_token_ids:
             choice["token_ids"] = ids
             if whole:
                 choice["prompt_token_ids"] = self.handles[i].request.prompt_ids
         return choice
+
+    def _prompt_entries(self, i: int, scores: list | None) -> list:
+        """Echo with logprobs: (token, logprob, top) of each prompt token (the first has none)."""
+        if not scores:
+            return []
+        prompt = self.handles[i].request.prompt_ids
+        return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], scores)]
+
+    def _logprobs(self, i: int, entries: list) -> dict:
+        """OpenAI's logprobs object for `entries` [(token, logprob, [(token, logprob)] top)]:
+        completions' token/token_logprobs/top_logprobs/text_offset (top_logprobs also holds the
+        chosen token, as vLLM's), or chat's content list."""
+        piece = self.server.tokenizer.decode_token
+        if self.chat:
+            def item(token, lp):
+                text = piece(token)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(u, v) for u, v in top]} for t, lp, top in entries]}
+        tokens = [piece(t) for t, _, _ in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offsets[i])
+            self.offsets[i] += len(text)
+        tops = [None if top is None else {piece(u): v for u, v in top} | {text: lp} for text, (_, lp, top) in zip(tokens, entries)]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
 
     def _chunk(self, choices: list, extra: dict) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -387,7 +445,7 @@ class _Reply:
                 "choices": choices, **extra}
 
     def _usage(self) -> dict:
-        prompt = sum(len(h.request.prompt_ids) for h in self.handles)
+        prompt = sum(len(h.request.prompt_ids) for h in self.handles[:: self.generation.n])  # (once per prompt)
         completion = sum(len(ids) for ids in self.token_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.server.engine.speculative:  # tokens a decode step emitted (speculative decoding's gain)

@@ -39,8 +39,11 @@ from ..trust import Trust, trust_options
               help="seconds in-flight requests get to finish after SIGTERM")
 @click.option("--request-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
               help="seconds a client has to send a request's headers, and then its body")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="reuse the state a finished sequence left in its slot for a prompt that starts with its tokens")
 @trust_options
-def main(bundle, host, port, max_queue, api_key, served_model_name, grace, request_timeout, verify_key, native_regions):
+def main(bundle, host, port, max_queue, api_key, served_model_name, grace, request_timeout, prefix_caching, verify_key,
+         native_regions):
     """Serve a compiled bundle over OpenAI's HTTP API."""
     try:
         import uvicorn
@@ -75,7 +78,7 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, reque
                                    "(0 takes any free one).") from None
 
     api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, trust, on_failure=lambda m: api.engine_thread.fail(m)),
-                       name, max_queue, api_key, body_seconds=request_timeout)
+                       name, max_queue, api_key, body_seconds=request_timeout, prefix_caching=prefix_caching)
     config = uvicorn.Config(api.app, log_level="warning", lifespan="on", http=head_deadline_protocol(request_timeout))
     server = DrainingServer(config, api, grace)
     click.echo(f"deepinfer-serve: listening on http://{host}:{sock.getsockname()[1]} (model {name!r}; loading {bundle})",

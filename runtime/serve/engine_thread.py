@@ -10,7 +10,7 @@ string seen) takes effect, at the next step boundary.
 import asyncio
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine import Engine, Request, Sequence
 from ..errors import DeepinferError
@@ -24,6 +24,8 @@ class Tokens:
     token_ids: list[int]
     finish_reason: str | None
     error: str = ""  # with finish_reason "error": why this prompt failed
+    logprobs: list = field(default_factory=list)  # per new token (Result.logprobs), when asked
+    prompt_logprobs: list | None = None  # with the first event, when asked (Result.prompt_logprobs)
 
 
 @dataclass
@@ -42,15 +44,16 @@ class Handle:
     events: asyncio.Queue
     index: int
     seq: Sequence | None = None  # set on the engine thread
-    posted: int = 0  # tokens already posted
+    posted: int = -1  # tokens already posted (-1: no event yet)
 
 
 class EngineThread:
-    def __init__(self, load, loop: asyncio.AbstractEventLoop, metrics, on_ready, on_fatal):
+    def __init__(self, load, loop: asyncio.AbstractEventLoop, metrics, on_ready, on_fatal, prefix_caching: bool = True):
         """`load()` opens the bundle's executor (on the engine thread, so the server answers
         /health meanwhile); then `on_ready(engine)` is called on the event loop, or once the
         engine is gone, `on_fatal(message)`."""
         self.load, self.loop, self.metrics, self.on_ready, self.on_fatal = load, loop, metrics, on_ready, on_fatal
+        self.prefix_caching = prefix_caching
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.engine: Engine | None = None  # set once loaded
         self.executor = None
@@ -92,7 +95,7 @@ class EngineThread:
     def _run(self):
         try:
             self.executor = self.load()
-            self.engine = Engine.for_bundle(self.executor)
+            self.engine = Engine.for_bundle(self.executor, self.prefix_caching)
         except DeepinferError as err:
             self.fail(str(err))
             return
@@ -140,8 +143,9 @@ class EngineThread:
     def _post(self, updated: list[Sequence]):
         for handle in [h for h in self.handles if h.seq in updated]:
             result = handle.seq.result
-            new = result.token_ids[handle.posted :]
-            if handle.posted == 0 and new:
+            first, start = handle.posted < 0, max(handle.posted, 0)
+            new = result.token_ids[start:]
+            if start == 0 and new:
                 self.metrics.ttft.observe(result.ttft)
             handle.posted = len(result.token_ids)
             self.metrics.generation_tokens.inc(len(new))
@@ -150,7 +154,9 @@ class EngineThread:
                 self.handles.remove(handle)
                 if len(result.token_ids) > 1:
                     self.metrics.tpot.observe(result.tpot)
-            self.loop.call_soon_threadsafe(handle.events.put_nowait, Tokens(handle.index, new, finish, result.error))
+            event = Tokens(handle.index, new, finish, result.error, result.logprobs[start:],
+                           result.prompt_logprobs if first else None)
+            self.loop.call_soon_threadsafe(handle.events.put_nowait, event)
 
     def _publish(self):
         self.metrics.running.set(len(self.engine.running))
@@ -158,6 +164,9 @@ class EngineThread:
         self.metrics.free_slots.set(len(self.engine.free_slots))
         if self.engine.speculative:
             self.metrics.speculation(self.engine.drafted, self.engine.accepted)
+        engine = self.engine
+        self.metrics.prefix_cache({"hits": engine.prefix_hits, "hit_tokens": engine.prefix_hit_tokens,
+                                   "evictions": engine.prefix_evictions})
 
     # --- back on the event loop --------------------------------------------------------------
 

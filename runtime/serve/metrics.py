@@ -28,6 +28,12 @@ class Metrics:
         self.acceptance = Gauge("deepinfer_spec_decode_acceptance_rate", "accepted / verified drafts since start, by "
                                 "draft position", ["position"], registry=r)
         self.published: dict[int, tuple[int, int]] = {}  # draft position -> the totals counted so far
+        # Prefix caching: prompts that reused a cached prefix, the prompt tokens not prefilled so, and
+        # cached prefixes dropped to make room.
+        self.prefix = {name: Counter(f"deepinfer_prefix_cache_{name}", help, registry=r) for name, help in (
+            ("hits", "prompts that reused a cached prefix"), ("hit_tokens", "prompt tokens reused, not prefilled"),
+            ("evictions", "cached prefixes dropped for another prompt"))}
+        self.prefix_published = {name: 0 for name in self.prefix}
 
     def speculation(self, drafted: list[int], accepted: list[int]):
         """The engine's running totals per draft position, into the counters and rates."""
@@ -37,6 +43,12 @@ class Metrics:
             self.accepted.labels(label).inc(a - published_a)
             self.acceptance.labels(label).set(a / n if n else 0.0)
             self.published[position] = (n, a)
+
+    def prefix_cache(self, totals: dict[str, int]):
+        """The engine's running prefix-cache totals, into the counters."""
+        for name, total in totals.items():
+            self.prefix[name].inc(total - self.prefix_published[name])
+            self.prefix_published[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,11 +1,13 @@
 """OpenAI's request and response shapes: parse a request body into what the engine needs,
 refusing (APIError, naming the parameter) anything out of range or not built. A parameter we do
-not implement is accepted only at the value that asks for nothing (n=1, logprobs null, ...)."""
+not implement is accepted only at the value that asks for nothing (best_of=1, suffix null, ...).
+Sampling knobs follow OpenAI's documented ranges and vLLM's extensions (top_k, min_p,
+repetition_penalty, min_tokens, stop_token_ids)."""
 
 import math
 from dataclasses import dataclass, field
 
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..tokenizer import is_text
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -13,14 +15,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                503: "server_error"}
 
 # Parameters we do not build, and the one value each may take (what asking for nothing looks like).
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
-           "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-           "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
            "response_format": (None, {"type": "text"})}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
-          "ignore_eos", "return_token_ids"}  # (the last two are vLLM's extensions)
-COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
+          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+          # vLLM's extensions
+          "ignore_eos", "return_token_ids", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+MAX_N = 16  # choices per prompt
 
 
 class APIError(Exception):
@@ -48,6 +51,8 @@ class Generation:
     ignore_eos: bool = False
     return_token_ids: bool = False
     max_tokens_param: str = "max_tokens"  # the name the client used (chat: max_completion_tokens too)
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs if asked)
 
 
 def bad(param: str, message: str) -> APIError:
@@ -66,16 +71,27 @@ def parse_completion(body: dict) -> Generation:
     else:
         raise bad("prompt", "give a string, a list of strings, a list of token ids, or a list of such lists "
                             "(none of them empty).")
-    return _generation(body, prompts, _optional_int(body, "max_tokens", 16))
+    logprobs = _optional_int(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad("logprobs", f"{logprobs}: give 0 to {MAX_LOGPROBS} top tokens, or null.")
+    echo = _flag(body, "echo")
+    return _generation(body, prompts, _optional_int(body, "max_tokens", 16), logprobs=logprobs, echo=echo)
 
 
 def parse_chat(body: dict) -> Generation:
     _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     _check_messages(messages)
+    top = _optional_int(body, "top_logprobs", 0)
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"{top}: give 0 to {MAX_LOGPROBS}.")
+    logprobs = top if _flag(body, "logprobs") else None
+    if logprobs is None and top:
+        raise bad("top_logprobs", "needs \"logprobs\": true.")
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        return _generation(body, [messages], _optional_int(body, "max_completion_tokens", None), "max_completion_tokens")
-    return _generation(body, [messages], _optional_int(body, "max_tokens", None))
+        return _generation(body, [messages], _optional_int(body, "max_completion_tokens", None), "max_completion_tokens",
+                           logprobs=logprobs)
+    return _generation(body, [messages], _optional_int(body, "max_tokens", None), logprobs=logprobs)
 
 
 def _check_messages(messages):
@@ -100,9 +116,13 @@ def message_text(message: dict) -> dict:
     return {**message, "content": content}
 
 
-def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> Generation:
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(max_tokens_param, f"{max_tokens} is not a number of tokens to generate: give 1 or more.")
+def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_param: str = "max_tokens",
+                logprobs: int | None = None, echo: bool = False) -> Generation:
+    """`logprobs`: top logprobs per generated token (None: none); `echo`: completions' echo."""
+    scored = echo and logprobs is not None  # the prompt's own logprobs come back
+    if max_tokens is not None and max_tokens < (0 if scored else 1):
+        raise bad(max_tokens_param, f"{max_tokens} is not a number of tokens to generate: give 1 or more "
+                                    "(0 only with echo and logprobs: the prompt scored).")
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise bad("temperature", f"{temperature} is outside [0, 2].")
@@ -125,10 +145,64 @@ def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_pa
         raise bad("stream_options", "give {\"include_usage\": true|false} and, as vLLM, \"continuous_usage_stats\": true|false.")
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     continuous = _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
-    return Generation(prompts, max_tokens, SamplingParams(temperature, top_p, seed), stop,
+    n = _optional_int(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"{n}: give 1 to {MAX_N} choices.")
+    min_tokens = _optional_int(body, "min_tokens", 0)
+    if min_tokens < 0 or max_tokens is not None and min_tokens > max_tokens:
+        raise bad("min_tokens", f"{min_tokens}: give 0 up to {max_tokens_param} ({max_tokens}).")
+    sampling = SamplingParams(
+        temperature, top_p, seed, top_k=_top_k(body), min_p=_number_in(body, "min_p", 0.0, 0, 1),
+        presence_penalty=_number_in(body, "presence_penalty", 0.0, -2, 2),
+        frequency_penalty=_number_in(body, "frequency_penalty", 0.0, -2, 2),
+        repetition_penalty=_number_in(body, "repetition_penalty", 1.0, 0, 2, low_open=True),
+        logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=min_tokens,
+        stop_token_ids=tuple(_token_list(body, "stop_token_ids")), logprobs=logprobs,
+        prompt_logprobs=logprobs if scored else None)
+    return Generation(prompts, max_tokens, sampling, stop,
                       stream=_flag(body, "stream"), include_usage=include_usage, continuous_usage=include_usage and continuous,
                       ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"),
-                      max_tokens_param=max_tokens_param)
+                      max_tokens_param=max_tokens_param, n=n, echo=echo)
+
+
+def _top_k(body: dict) -> int:
+    """vLLM's top_k: -1 or 0 (or absent) keeps every token."""
+    top_k = _optional_int(body, "top_k", 0)
+    if top_k < -1:
+        raise bad("top_k", f"{top_k}: give a number of tokens, or -1 / 0 for all.")
+    return max(top_k, 0)
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} (the ids are checked against the vocabulary later)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > 1024:
+        raise bad("logit_bias", "give an object of at most 1024 {\"token id\": bias}.")
+    bias = []
+    for key, b in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 9:
+            raise bad("logit_bias", f"key {key[:20]!r} is not a token id.")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"bias {b!r} of token {key}: give a number in [-100, 100].")
+        bias.append((int(key), float(b)))
+    return tuple(bias)
+
+
+def _token_list(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not _is_ids(value) or len(value) > 256 or not all(0 <= t < 1 << 31 for t in value):
+        raise bad(name, "give a list of at most 256 token ids.")
+    return value
+
+
+def _number_in(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = _number(body, name, default)
+    if not low <= value <= high or low_open and value == low:
+        raise bad(name, f"{value} is outside {'(' if low_open else '['}{low:g}, {high:g}].")
+    return value
 
 
 def not_unicode(body) -> str | None:

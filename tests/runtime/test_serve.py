@@ -157,8 +157,15 @@ def test_bad_requests_get_openai_errors(server):
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, 2, 320]}, "prompt"),  # outside the vocabulary
-        ({"prompt": "hi", "n": 2}, "n"),
-        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ({"prompt": "hi", "n": 17}, "n"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"320": 1}}, "logit_bias"),  # outside the vocabulary
+        ({"prompt": "hi", "stop_token_ids": [5, 400]}, "stop_token_ids"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),  # this bundle has no score programs
+        ({"prompt": "hi", "best_of": 2}, "best_of"),
         ({"prompt": "hi", "best_of_all": 1}, "best_of_all"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": list(range(3, 260))}, "prompt"),  # 257 tokens: past kv.max_len 256

@@ -117,3 +117,29 @@ def test_a_follower_killed_mid_stream_fails_it_with_503_and_exits_1(bundle, shm_
     error = events[-2]["error"]
     assert error["type"] == "server_error" and "rank 1" in error["message"] and "SIGKILL" in error["message"]
     assert code == 1 and "rank 1" in stderr
+
+
+def test_prefix_caching_at_world_size_2_gives_the_tokens_without_it(bundle):
+    """A chat resending its history, then another question after the same first 40 tokens, on two
+    servers of the same 2-rank bundle (followers replay the leader's steps: a reused slot is
+    reused on every rank)."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    servers = {"on": Served(bundle), "off": Served(bundle, "--no-prefix-caching")}
+    try:
+        tokens = {}
+        for name, served in servers.items():
+            history, tokens[name] = [5 + i % 200 for i in range(40)], []
+            for prompt_end in ([7, 8], [9, 10], None):
+                prompt = history if prompt_end else history[:40] + [11, 12]
+                status, body = request("POST", f"{served.url}/v1/completions",
+                                       {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}, auth)
+                assert status == 200, body
+                tokens[name].append(body["choices"][0]["token_ids"])
+                history = history + tokens[name][-1] + (prompt_end or [])
+        assert tokens["on"] == tokens["off"]
+        assert servers["on"].metric("deepinfer_prefix_cache_hits_total") == 2
+        assert servers["on"].metric("deepinfer_prefix_cache_hit_tokens_total") >= 40 + 47
+        assert servers["off"].metric("deepinfer_prefix_cache_hits_total") == 0
+    finally:
+        for served in servers.values():
+            assert served.stop()[0] == 0

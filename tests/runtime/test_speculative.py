@@ -81,7 +81,7 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(references, arch,
         return texts[slot][position] if slot < len(texts) and position < len(texts[slot]) else 0
 
     oracle = Engine(Drafter(model, truth), engine.prefill_buckets, engine.decode_buckets, 4, 256,
-                    model.config.eos_token_id, speculative=k)
+                    model.config.eos_token_id, model.config.vocab_size, speculative=k)
     results = oracle.generate([Request(p, MAX_TOKENS) for p in PROMPTS])
     assert [r.token_ids for r in results] == reference
     assert oracle.accepted == oracle.drafted

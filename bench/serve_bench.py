@@ -54,9 +54,9 @@ def compile_bundle(work: Path, backend: str) -> Path:
     return bundle
 
 
-def start_server(bundle: Path) -> tuple[subprocess.Popen, str]:
-    server = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.serve.cli", "--bundle", str(bundle), "--port", "0"],
-                              stderr=subprocess.PIPE, text=True)
+def start_server(bundle: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    server = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.serve.cli", "--bundle", str(bundle), "--port", "0",
+                               *args], stderr=subprocess.PIPE, text=True)
     url = re.search(r"listening on (http://[\d.:]+)", server.stderr.readline()).group(1)
     return server, url
 

@@ -122,22 +122,13 @@ def check_request(request: Request, vocab_size: int | None, max_len: int, score_
     n = len(request.prompt_ids)
     if n == 0:
         raise DeepinferError("empty prompt: give at least one token.")
-    request.sampling.check()
+    request.sampling.check(vocab_size, score_top)
     if vocab_size is not None:
         bad = [t for t in request.prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         if bad:
             raise DeepinferError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}); "
                                  "prompt ids must come from this model's tokenizer.")
-        bad = [t for t in request.sampling.token_ids() if not 0 <= t < vocab_size]
-        if bad:
-            raise DeepinferError(f"token id {bad[0]} (logit_bias or stop_token_ids) is outside the model's vocabulary "
-                                 f"[0, {vocab_size}).")
     scored = request.sampling.prompt_logprobs is not None
-    if scored and request.sampling.prompt_logprobs > score_top:
-        raise DeepinferError(
-            f"prompt_logprobs={request.sampling.prompt_logprobs}: " + (
-                f"this bundle scores prompts with at most {score_top} top tokens." if score_top else
-                "this bundle was compiled without score programs; compile its recipe with `prompt_logprobs: true`."))
     if not isinstance(request.max_tokens, int) or request.max_tokens < (0 if scored else 1):
         raise DeepinferError(f"max_tokens={request.max_tokens!r}: give at least 1 (0 only when the prompt is scored).")
     if n >= max_len:
@@ -242,15 +233,17 @@ class Engine:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)  # (appended: the list runs from least to most recently used)
             if self.prefix_caching and seq.result.finish_reason != "error":
-                self.cached[seq.slot] = self._held(seq)
+                tokens, usable = self._held(seq)
+                if tokens:  # (a sequence cancelled before its first chunk leaves nothing)
+                    self.cached[seq.slot] = tokens, usable
 
     def _admit(self, seq: Sequence):
         """Give a sequence a free slot: the one holding the longest reusable prefix of its prompt
         (then only the rest is prefilled), else an empty one, else the least recently used."""
         slot, reused = None, 0
         if self.prefix_caching and seq.request.sampling.prompt_logprobs is None:  # (a scored prompt runs whole)
-            for free in self.free_slots:
-                n = self._reusable(*self.cached.get(free, ((), 0)), seq.request.prompt_ids)
+            for free in [s for s in self.free_slots if s in self.cached]:
+                n = self._reusable(*self.cached[free], seq.request.prompt_ids)
                 if n > reused:
                     slot, reused = free, n
         if slot is None:
@@ -259,7 +252,7 @@ class Engine:
         if reused:
             self.prefix_hits += 1
             self.prefix_hit_tokens += reused
-        elif self.cached.get(slot, ((), 0))[0]:
+        elif slot in self.cached:
             self.prefix_evictions += 1
         self.cached.pop(slot, None)
         seq.slot, seq.prefilled = slot, reused
@@ -292,6 +285,7 @@ class Engine:
         n = min(bucket, remaining)
         pad = bucket - n
         scored = seq.request.sampling.prompt_logprobs is not None
+        targets = ids[done + 1 : done + n + 1]  # each row's next prompt token (the last row of the prompt has none)
         step = Step(
             "score" if scored else "prefill",
             tokens=torch.tensor(ids[done : done + n] + [0] * pad),
@@ -300,14 +294,14 @@ class Engine:
             read_slot=torch.tensor([seq.slot]),
             last_index=torch.tensor([n - 1]),
             context=self._context("prefill", done + n),  # (score steps have the prefill steps' contexts)
-            targets=torch.tensor(ids[done + 1 : done + n + 1] + [0] * (bucket - len(ids[done + 1 : done + n + 1]))) if scored else None,
+            targets=torch.tensor(targets + [0] * (bucket - len(targets))) if scored else None,
         )
         out = self.executor.run(step)
         seq.prefilled += n
         if not scored:
             return out[0]
         width = 2 * self.prompt_logprobs + 1  # per row: the target's logprob, the top logprobs, their ids
-        scores = out[: bucket * width].view(bucket, width)[: len(ids[done + 1 : done + n + 1])].tolist()
+        scores = out[: bucket * width].view(bucket, width)[: len(targets)].tolist()
         top = seq.request.sampling.prompt_logprobs
         for row in scores:
             ranked = row[1 + self.prompt_logprobs : 1 + self.prompt_logprobs + top]
@@ -325,50 +319,47 @@ class Engine:
                 self._verify(seq, block[: len(seq_rows)])
 
     def _verify(self, seq: Sequence, logits: torch.Tensor):
-        drafts = seq.drafts
-        seq.drafts = []
-        tokens = self._choose(seq, logits, drafts)
+        drafts, seq.drafts = seq.drafts, []
+        tokens = self._emit_chosen(seq, logits, drafts)
         if tokens is None:
             return
         for j in range(len(drafts)):
             self.drafted[j] += 1
             self.accepted[j] += j < len(tokens) - 1
         seq.result.decode_steps += 1
-        for token, logprobs in zip(tokens, self._logprobs(seq, logits, tokens)):
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor):
+        """The token after a prompt (logits [V]); with max_tokens 0 (a prompt only scored) the
+        sequence ends here."""
+        if seq.request.max_tokens == 0:
+            seq.result.finish_reason = "max_tokens"
+        else:
+            self._emit_chosen(seq, logits[None], [])
+
+    def _emit_chosen(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[int] | None:
+        """Choose the tokens to emit from the model's logits [len(drafts) + 1, V] at the last token
+        and at each draft (sampling.verify_drafts), after the request's logit adjustments as they
+        stand at each row (row j follows drafts[:j]), and emit them until the sequence finishes.
+        None: sampling failed (the request did)."""
+        params = seq.request.sampling
+        adjusted = logits
+        try:
+            if params.adjusts:
+                stop_ids = list(params.stop_token_ids) + ([] if self.eos_id is None or seq.request.ignore_eos else [self.eos_id])
+                histories = [seq.result.token_ids + drafts[:j] for j in range(len(drafts) + 1)]
+                adjusted = adjust(logits, params, seq.request.prompt_ids, histories, stop_ids)
+            tokens = verify_drafts(adjusted, drafts, params, seq.generator)
+        except RuntimeError as err:
+            _sampling_failed(seq.result, err)
+            return None
+        rows = logits[: len(tokens)]
+        reported = [None] * len(tokens) if params.logprobs is None else token_logprobs(rows, tokens, params.logprobs)
+        for token, logprobs in zip(tokens, reported):
             self._emit(seq, token, logprobs)
             seq.unseen += 1
             if seq.finished:
                 break
-
-    def _first_token(self, seq: Sequence, logits: torch.Tensor):
-        """Sample the token after a prompt (logits [V]) and emit it; with max_tokens 0 (a prompt
-        only scored) the sequence ends here."""
-        if seq.request.max_tokens == 0:
-            seq.result.finish_reason = "max_tokens"
-            return
-        tokens = self._choose(seq, logits[None], [])
-        if tokens is not None:
-            self._emit(seq, tokens[0], next(iter(self._logprobs(seq, logits[None], tokens))))
-            seq.unseen = 1
-
-    def _choose(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[int] | None:
-        """The tokens to emit from the model's logits [len(drafts) + 1, V] at the last token and
-        at each draft (sampling.verify_drafts), after the request's logit adjustments as they
-        stand at each row (row j follows drafts[:j]). None: sampling failed (the request did)."""
-        params, generated = seq.request.sampling, seq.result.token_ids
-        stop_ids = list(params.stop_token_ids) + ([] if self.eos_id is None or seq.request.ignore_eos else [self.eos_id])
-        histories = [generated + drafts[:j] for j in range(len(drafts) + 1)]
-        try:
-            adjusted = adjust(logits, params, seq.request.prompt_ids, histories, stop_ids)
-            return verify_drafts(adjusted, drafts, params, seq.generator)
-        except RuntimeError as err:
-            _sampling_failed(seq.result, err)
-            return None
-
-    def _logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list:
-        """Per emitted token (row j of logits), its logprob and the top ones, when the request asks."""
-        top = seq.request.sampling.logprobs
-        return [None] * len(tokens) if top is None else token_logprobs(logits[: len(tokens)], tokens, top)
+        return tokens
 
     def _draft(self, seqs: list[Sequence]):
         """The next drafts of every given sequence, in groups of at most the largest bucket: the

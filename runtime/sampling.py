@@ -21,6 +21,14 @@ GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (OpenAI's limit)
 
 
+class SamplingError(DeepinferError):
+    """A sampling parameter the request or the bundle cannot take; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
@@ -37,35 +45,42 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token, its logprob and the top N (None: none)
     prompt_logprobs: int | None = None  # per prompt token, likewise (needs a bundle compiled with prompt_logprobs)
 
-    def check(self):
-        """Raise a DeepinferError naming the first parameter out of range."""
+    def check(self, vocab_size: int | None = None, score_top: int | None = None):
+        """Raise a SamplingError naming the first parameter out of range; given a model, against its
+        vocabulary and the top tokens its score programs return (`score_top`; 0: it has none)."""
+        def fail(param: str, message: str):
+            raise SamplingError(param, f"{param}={getattr(self, param)!r}: {message}")
+
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise DeepinferError(f"temperature={self.temperature!r}: give a finite number, 0 (greedy) or more.")
+            fail("temperature", "give a finite number, 0 (greedy) or more.")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise DeepinferError(f"top_p={self.top_p!r}: give a number in (0, 1].")
+            fail("top_p", "give a number in (0, 1].")
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 63:
-            raise DeepinferError(f"seed={self.seed!r}: give an integer in [0, 2**63).")
+            fail("seed", "give an integer in [0, 2**63).")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise DeepinferError(f"top_k={self.top_k!r}: give 0 (all tokens) or a number of tokens.")
+            fail("top_k", "give 0 (all tokens) or a number of tokens.")
         if not _number_in(self.min_p, 0, 1):
-            raise DeepinferError(f"min_p={self.min_p!r}: give a number in [0, 1].")
+            fail("min_p", "give a number in [0, 1].")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _number_in(getattr(self, name), -2, 2):
-                raise DeepinferError(f"{name}={getattr(self, name)!r}: give a number in [-2, 2].")
+                fail(name, "give a number in [-2, 2].")
         if not _number_in(self.repetition_penalty, 0, 2) or self.repetition_penalty == 0:
-            raise DeepinferError(f"repetition_penalty={self.repetition_penalty!r}: give a number in (0, 2] (1: none).")
+            fail("repetition_penalty", "give a number in (0, 2] (1: none).")
         if not all(_is_int(t) and _number_in(b, -100, 100) for t, b in self.logit_bias):
-            raise DeepinferError("logit_bias: give token ids and biases in [-100, 100].")
+            fail("logit_bias", "give token ids and biases in [-100, 100].")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise DeepinferError(f"min_tokens={self.min_tokens!r}: give 0 or more.")
+            fail("min_tokens", "give 0 or more.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise DeepinferError(f"{name}={value!r}: give 0 to {MAX_LOGPROBS} top tokens.")
-
-    def token_ids(self) -> list[int]:
-        """Every token id the parameters name (the engine checks they are in the vocabulary)."""
-        return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
+                fail(name, f"give 0 to {MAX_LOGPROBS} top tokens.")
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            outside = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+            if outside:
+                raise SamplingError(name, f"{name}: token id {outside[0]} is outside the model's vocabulary [0, {vocab_size}).")
+        if score_top is not None and self.prompt_logprobs is not None and self.prompt_logprobs > score_top:
+            fail("prompt_logprobs", f"this bundle scores prompts with at most {score_top} top tokens." if score_top else
+                 "this bundle was compiled without score programs; compile its recipe with `prompt_logprobs: true`.")
 
     @property
     def adjusts(self) -> bool:

@@ -74,9 +74,8 @@ def decode(record: np.ndarray, max_bucket: int) -> Step | None:
     if method == "stop":
         return None
     n = int(record[1])
-    fields = {name: torch.from_numpy(record[start : start + n].copy())
-              for name, start in ((name, HEADER_WORDS + i * max_bucket) for i, name in enumerate(ROW_FIELDS))
-              if name in STEP_FIELDS[method]}
+    fields = {name: torch.from_numpy(record[HEADER_WORDS + i * max_bucket :][:n].copy())
+              for i, name in enumerate(ROW_FIELDS) if name in STEP_FIELDS[method]}
     if "read_slot" in STEP_FIELDS[method]:
         fields.update(read_slot=torch.tensor([int(record[2])]), last_index=torch.tensor([int(record[3])]))
     return Step(method, **fields, context=None if record[4] < 0 else int(record[4]))

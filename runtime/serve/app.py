@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from ..engine import Request, tokens_per_step
 from ..errors import DeepinferError
+from ..sampling import SamplingError
 from ..tokenizer import bundle_tokenizer
 from .chat import ChatTemplate
 from .engine_thread import EngineThread, Failed, Handle
@@ -212,7 +213,6 @@ class OpenAIServer:
                            headers={"Retry-After": "1"})
 
     def _requests(self, generation: Generation, prompts: list[list[int]], param: str) -> list[Request]:
-        self._check_sampling(generation.sampling)
         requests = []
         max_len = self.engine.max_len
         for ids in prompts:
@@ -222,6 +222,10 @@ class OpenAIServer:
             request = Request(ids, max_tokens, generation.sampling, generation.ignore_eos)
             try:
                 self.engine.check(request)
+            except SamplingError as err:  # (prompt_logprobs: what echo with logprobs asks for)
+                if err.param == "prompt_logprobs":
+                    raise bad("echo", f"with logprobs it returns the prompt's logprobs, but {err}") from None
+                raise APIError(400, str(err), param=err.param) from None
             except DeepinferError as err:
                 code = "context_length_exceeded" if len(ids) >= max_len else None
                 raise APIError(400, str(err), param=param, code=code) from None
@@ -232,17 +236,6 @@ class OpenAIServer:
                                param=name, code="context_length_exceeded")
             requests.append(request)
         return requests
-
-    def _check_sampling(self, sampling):
-        """What only the loaded bundle can check, named by the parameter a client sent."""
-        vocab = self.engine.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids)):
-            outside = [t for t in ids if not 0 <= t < vocab]
-            if outside:
-                raise bad(name, f"token id {outside[0]} is outside the model's vocabulary [0, {vocab}).")
-        if sampling.prompt_logprobs is not None and not self.engine.prompt_logprobs:
-            raise bad("echo", "echo with logprobs returns the prompt's logprobs, and this bundle was compiled without "
-                              "score programs; compile its recipe with `prompt_logprobs: true`.")
 
     async def _respond(self, http: HTTPRequest, generation: Generation, prompts: list[list[int]], chat: bool) -> Response:
         """Choice i is prompt i // n's (i % n)-th sample, seeded seed + i."""

@@ -7,7 +7,7 @@ repetition_penalty, min_tokens, stop_token_ids)."""
 import math
 from dataclasses import dataclass, field
 
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ..tokenizer import is_text
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -71,11 +71,8 @@ def parse_completion(body: dict) -> Generation:
     else:
         raise bad("prompt", "give a string, a list of strings, a list of token ids, or a list of such lists "
                             "(none of them empty).")
-    logprobs = _optional_int(body, "logprobs", None)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad("logprobs", f"{logprobs}: give 0 to {MAX_LOGPROBS} top tokens, or null.")
-    echo = _flag(body, "echo")
-    return _generation(body, prompts, _optional_int(body, "max_tokens", 16), logprobs=logprobs, echo=echo)
+    return _generation(body, prompts, _optional_int(body, "max_tokens", 16), logprobs=_optional_int(body, "logprobs", None),
+                       echo=_flag(body, "echo"))
 
 
 def parse_chat(body: dict) -> Generation:
@@ -152,13 +149,15 @@ def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_pa
     if min_tokens < 0 or max_tokens is not None and min_tokens > max_tokens:
         raise bad("min_tokens", f"{min_tokens}: give 0 up to {max_tokens_param} ({max_tokens}).")
     sampling = SamplingParams(
-        temperature, top_p, seed, top_k=_top_k(body), min_p=_number_in(body, "min_p", 0.0, 0, 1),
-        presence_penalty=_number_in(body, "presence_penalty", 0.0, -2, 2),
-        frequency_penalty=_number_in(body, "frequency_penalty", 0.0, -2, 2),
-        repetition_penalty=_number_in(body, "repetition_penalty", 1.0, 0, 2, low_open=True),
-        logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=min_tokens,
-        stop_token_ids=tuple(_token_list(body, "stop_token_ids")), logprobs=logprobs,
+        temperature, top_p, seed, top_k=_top_k(body), min_p=_number(body, "min_p", 0.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0), frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0), logit_bias=_logit_bias(body.get("logit_bias")),
+        min_tokens=min_tokens, stop_token_ids=tuple(_token_list(body, "stop_token_ids")), logprobs=logprobs,
         prompt_logprobs=logprobs if scored else None)
+    try:
+        sampling.check()  # the ranges (the vocabulary and the bundle's score programs are checked once it is loaded)
+    except SamplingError as err:
+        raise APIError(400, str(err), param=err.param) from None
     return Generation(prompts, max_tokens, sampling, stop,
                       stream=_flag(body, "stream"), include_usage=include_usage, continuous_usage=include_usage and continuous,
                       ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"),
@@ -195,13 +194,6 @@ def _token_list(body: dict, name: str) -> list[int]:
         return []
     if not _is_ids(value) or len(value) > 256 or not all(0 <= t < 1 << 31 for t in value):
         raise bad(name, "give a list of at most 256 token ids.")
-    return value
-
-
-def _number_in(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = _number(body, name, default)
-    if not low <= value <= high or low_open and value == low:
-        raise bad(name, f"{value} is outside {'(' if low_open else '['}{low:g}, {high:g}].")
     return value
 
 

@@ -10,6 +10,8 @@ with the cache on and off, the two servers up side by side and measured in alter
 2. A multi-turn chat replay (TURNS turns, each resending the whole history plus a new message):
    the prompt tokens the server prefilled, with and without the cache (from /metrics), and that
    the replies are the same tokens.
+3. `n` = N_CHOICES completions of one PREFIX_LEN-token prompt (1 token each): the request's
+   latency and the prompt tokens prefilled (cached: once, the other sequences copy its state).
 """
 
 import argparse
@@ -36,6 +38,7 @@ from train_tiny import corpus, read  # noqa: E402
 CHECKPOINT = ROOT / "checkpoints" / "tiny-v3-code"
 PREFIX_LEN, SUFFIX_LEN, ROUNDS = 1024, 16, 5
 TURNS, MESSAGE_LEN, REPLY_LEN = 6, 96, 32
+N_CHOICES = 4
 
 
 def held_out_tokens() -> list[int]:
@@ -58,10 +61,14 @@ def metric(url: str, name: str) -> float:
     return float(line.split()[1])
 
 
-def first_token_seconds(client, prompt: list[int]) -> float:
+def first_token_seconds(client, prompt: list[int], n: int = 1) -> float:
     start = time.perf_counter()
-    client.completions.create(model="prefix-bench", prompt=prompt, max_tokens=1, temperature=0)
+    client.completions.create(model="prefix-bench", prompt=prompt, max_tokens=1, temperature=0, n=n)
     return time.perf_counter() - start
+
+
+def prefilled_tokens(url: str) -> float:
+    return metric(url, "deepinfer_prompt_tokens_total") - metric(url, "deepinfer_prefix_cache_hit_tokens_total")
 
 
 def main():
@@ -94,7 +101,7 @@ def main():
 
             replies, prefilled = {}, {}
             for name, (_, url) in servers.items():
-                before = metric(url, "deepinfer_prompt_tokens_total") - metric(url, "deepinfer_prefix_cache_hit_tokens_total")
+                before = prefilled_tokens(url)
                 history, replies[name] = [], []
                 for turn in range(TURNS):
                     lo = 20000 + turn * MESSAGE_LEN
@@ -104,11 +111,22 @@ def main():
                                                                                         "ignore_eos": True})
                     replies[name].append(reply.choices[0].token_ids)
                     history = history + reply.choices[0].token_ids
-                prefilled[name] = (metric(url, "deepinfer_prompt_tokens_total")
-                                   - metric(url, "deepinfer_prefix_cache_hit_tokens_total") - before)
+                prefilled[name] = prefilled_tokens(url) - before
             print(f"\nmulti-turn chat replay ({TURNS} turns of {MESSAGE_LEN}-token messages and {REPLY_LEN}-token replies):")
             print(f"  prompt tokens prefilled: cached {prefilled['cached']:.0f}, uncached {prefilled['uncached']:.0f} "
                   f"({prefilled['cached'] / prefilled['uncached']:.3f}); same replies: {replies['cached'] == replies['uncached']}")
+
+            seconds, prefilled = {name: [] for name in servers}, {}
+            before = {name: prefilled_tokens(url) for name, (_, url) in servers.items()}
+            for r in range(ROUNDS):
+                prompt = tokens[40000 + r * PREFIX_LEN :][:PREFIX_LEN]
+                for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+                    seconds[name].append(first_token_seconds(clients[name], prompt, N_CHOICES))
+            prefilled = {name: (prefilled_tokens(url) - before[name]) / ROUNDS for name, (_, url) in servers.items()}
+            cached, uncached = (statistics.median(seconds[n]) for n in ("cached", "uncached"))
+            print(f"\nn = {N_CHOICES} completions of one {PREFIX_LEN}-token prompt ({ROUNDS} rounds, median latency):")
+            print(f"  cached {cached * 1e3:.1f} ms, uncached {uncached * 1e3:.1f} ms: ratio {cached / uncached:.3f}; "
+                  f"prompt tokens prefilled a request: cached {prefilled['cached']:.0f}, uncached {prefilled['uncached']:.0f}")
         finally:
             for process, _ in servers.values():
                 process.terminate()

@@ -15,6 +15,7 @@ from deepinfer.models import ARCHS, build_model
 from deepinfer.models.prompt_scoring import TOP as SCORE_TOP
 from deepinfer.models.state import allocate, context_view
 from deepinfer.runtime.engine import Engine, Request
+from deepinfer.runtime.step import copy_state
 from deepinfer.runtime.tokenizer import load_tokenizer
 
 
@@ -30,6 +31,11 @@ class EagerExecutor:
     @torch.inference_mode()
     def run(self, step):
         """A step with a context bucket runs on the same views of the state a bundle binds."""
+        if step.method == "copy":
+            for tensors, specs in zip(self.state, self.specs):
+                for tensor, spec in zip(tensors, specs):
+                    copy_state(tensor, spec.positions_per_entry, step)
+            return None
         if step.context not in self.views:
             self.views[step.context] = [[context_view(t, s, step.context) for t, s in zip(ts, ss)]
                                         for ts, ss in zip(self.state, self.specs)]

@@ -9,8 +9,10 @@ A bundle compiled for world_size W > 1 runs on W ranks: this process leads and s
 followers itself, or, under torchrun, rank 0 leads the ranks torchrun started.
 
 Prints each prompt's continuation, or with --json one object:
-    {"results": [{"prompt_ids", "token_ids", "text", "finish_reason", "tokens_per_step"}...], "timing": {"ttft", "tpot", ...}}
-(tokens_per_step: tokens a decode step emitted on average; above 1 with speculative decoding)
+    {"results": [{"prompt_ids", "token_ids", "text", "finish_reason", "tokens_per_step", "cached_tokens"}...],
+     "timing": {"ttft", "tpot", ...}}
+(tokens_per_step: tokens a decode step emitted on average; above 1 with speculative decoding;
+cached_tokens: prompt tokens not prefilled, their state reused from an earlier prompt's: prefix caching)
 """
 
 import json
@@ -143,7 +145,7 @@ def _print_results(prompts, prompt_ids, results, texts, as_json: bool, load_seco
         if host_seconds is not None:
             timing["host_region_seconds"] = host_seconds
         out = [{"prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "text": t, "finish_reason": r.finish_reason,
-                "tokens_per_step": r.tokens_per_step} for r, t in zip(results, texts)]
+                "tokens_per_step": r.tokens_per_step, "cached_tokens": r.cached_tokens} for r, t in zip(results, texts)]
         click.echo(json.dumps({"results": out, "timing": timing}))
         return
     labels = list(prompts) + [f"ids {p}" for p in prompt_ids]

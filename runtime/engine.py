@@ -19,12 +19,17 @@ the pool's kv.max_len.
 Prefix caching: a finished sequence's state stays in its slot until the slot is needed (the
 least recently used free slot goes first). A new prompt starting with the tokens a free slot
 holds takes that slot and prefills only the rest: exact, since positions past the reused prefix
-are rewritten before any query reads them. What is reusable is read from the state specs as data:
-with only position-indexed state any prefix is (rounded down to whole compressed entries); a
+are rewritten before any query reads them. When its first chunk is due, a prompt whose prefix
+another slot holds (a running sequence's, or a free slot another prompt took no longer) has that
+state copied into its own slot first (a copy step, which followers replay): so `n` sequences of
+one prompt prefill it once, and requests sharing a system prompt share its prefill. Slots are
+found by hashed token blocks (prefix_index.py). What is reusable is read from the state specs as
+data: with only position-indexed state any prefix is (rounded down to whole compressed entries); a
 fixed-size state (a sliding window's ring, a compressor's buffer) holds the slot's last positions
-only, so there a prompt must continue the whole cached sequence (a chat resending its history).
-An MTP module lags the main model by the tokens it has not drafted over: those few are prefilled
-again (the same tokens at the same positions write the same state).
+only, so there a prompt must continue the whole sequence the slot holds (a chat resending its
+history, a second sequence of the same prompt). An MTP module lags the main model by the tokens it
+has not drafted over: those few are prefilled again (the same tokens at the same positions write
+the same state).
 
 Speculative decoding (a bundle compiled with `speculative`, k draft tokens): a sequence's decode
 step verifies its last token and the k tokens its MTP module drafted, all in one step of the
@@ -45,8 +50,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DeepinferError
+from .prefix_index import PrefixIndex
 from .sampling import SamplingParams, adjust, token_logprobs, verify_drafts
-from .step import Step
+from .step import Step, copy_step
 
 
 @dataclass
@@ -63,6 +69,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "eos" | "stop_token" | "max_tokens" | "context" | "cancelled" | "error"
     error: str = ""  # with finish_reason "error": what failed (this request only; the engine goes on)
+    cached_tokens: int = 0  # prompt tokens whose state was reused (prefix caching), not prefilled
     ttft: float = 0.0  # seconds from submission to the first token
     token_times: list[float] = field(default_factory=list)  # seconds from submission to each token
     decode_steps: int = 0  # decode steps that emitted its tokens after the first
@@ -99,6 +106,7 @@ class Sequence:
     submitted: float  # time.perf_counter() at submission
     slot: int | None = None  # its row in the state pool, once admitted
     prefilled: int = 0  # prompt tokens already in the cache
+    started: bool = False  # its first prefill chunk has run (a cached prefix is looked for before it)
     drafts: list[int] = field(default_factory=list)  # proposed to follow its last token, not yet verified
     unseen: int = 0  # its last tokens the MTP module has not run over yet (speculative decoding)
 
@@ -160,8 +168,12 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.fixed_size_state = None in entry_positions
         self.entry_positions = math.lcm(*[r for r in entry_positions if r])  # a reused prefix is a multiple of it
-        self.cached: dict[int, tuple[list[int], int]] = {}  # free slot -> (tokens its state holds, positions reusable)
-        self.prefix_hits = self.prefix_hit_tokens = self.prefix_evictions = 0
+        # Slots holding reusable state -- free ones (finished sequences') and running ones -- by
+        # the tokens they hold (a running sequence's prompt: it holds a prefix of it). Blocks of
+        # >= 16 tokens and whole compressed entries.
+        self.index = PrefixIndex(self.entry_positions * -(-16 // self.entry_positions))
+        self.cached: dict[int, tuple[int, int]] = {}  # free slot -> (positions its state holds, positions reusable)
+        self.prefix_hits = self.prefix_hit_tokens = self.prefix_evictions = self.prefix_copies = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: holding a slot, prefilling or decoding
         self.free_slots = list(range(max_seqs))
@@ -206,6 +218,8 @@ class Engine:
         updated = []
         prefilling = next((s for s in self.running if s.prefilled < len(s.request.prompt_ids)), None)
         if prefilling is not None:
+            if not prefilling.started:
+                self._start_prefill(prefilling)
             logits = self._prefill_chunk(prefilling)
             if prefilling.decoding:  # its whole prompt is in: the first token
                 self._first_token(prefilling, logits)
@@ -232,48 +246,78 @@ class Engine:
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)  # (appended: the list runs from least to most recently used)
-            if self.prefix_caching and seq.result.finish_reason != "error":
-                tokens, usable = self._held(seq)
-                if tokens:  # (a sequence cancelled before its first chunk leaves nothing)
-                    self.cached[seq.slot] = tokens, usable
+            held, usable = self._held(seq)
+            if self.prefix_caching and seq.result.finish_reason != "error" and held:
+                self.cached[seq.slot] = held, usable
+                self.index.add(seq.slot, (seq.request.prompt_ids + seq.result.token_ids)[:held])
+            else:  # (a sequence cancelled before its first chunk leaves nothing)
+                self.index.remove(seq.slot)
 
     def _admit(self, seq: Sequence):
         """Give a sequence a free slot: the one holding the longest reusable prefix of its prompt
         (then only the rest is prefilled), else an empty one, else the least recently used."""
         slot, reused = None, 0
-        if self.prefix_caching and seq.request.sampling.prompt_logprobs is None:  # (a scored prompt runs whole)
-            for free in [s for s in self.free_slots if s in self.cached]:
-                n = self._reusable(*self.cached[free], seq.request.prompt_ids)
-                if n > reused:
-                    slot, reused = free, n
-        if slot is None:
+        if self._may_reuse(seq):
+            free = [(s, n) for s, n in self._reusable(seq.request.prompt_ids).items() if s in self.cached]
+            slot, reused = max(free, key=lambda pair: pair[1], default=(None, 0))
+        if not reused:
             slot = next((s for s in self.free_slots if s not in self.cached), self.free_slots[0])
+            self.prefix_evictions += slot in self.cached
         self.free_slots.remove(slot)
-        if reused:
-            self.prefix_hits += 1
-            self.prefix_hit_tokens += reused
-        elif slot in self.cached:
-            self.prefix_evictions += 1
         self.cached.pop(slot, None)
         seq.slot, seq.prefilled = slot, reused
+        if self.prefix_caching:  # (a running sequence holds a prefix of its prompt: other prompts may copy it)
+            self.index.add(slot, seq.request.prompt_ids)
         self.running.append(seq)
 
-    def _reusable(self, tokens: list[int], usable: int, prompt: list[int]) -> int:
-        """Prompt positions a slot holding the state of `tokens` gives (reusable up to `usable`)."""
-        common = next((i for i, (a, b) in enumerate(zip(tokens, prompt)) if a != b), min(len(tokens), len(prompt)))
-        n = min(common, usable, len(prompt) - 1)  # (one prompt token at least is prefilled: its logits give the next)
-        if self.fixed_size_state:  # rings hold the last positions: only a prompt continuing all the tokens reuses
-            return n if common == len(tokens) else 0  # (n < len(tokens): the same tokens rewritten, as a verify step does)
-        return n - n % self.entry_positions
+    def _start_prefill(self, seq: Sequence):
+        """Before a prompt's first chunk: copy in the longest reusable prefix another slot holds
+        now, if it beats what the sequence's own slot gave it; count the reuse."""
+        seq.started = True
+        if self._may_reuse(seq):
+            others = [(s, n) for s, n in self._reusable(seq.request.prompt_ids).items() if s != seq.slot]
+            source, n = max(others, key=lambda pair: pair[1], default=(None, 0))
+            if n > seq.prefilled:
+                # Everything the source holds when a fixed-size state makes the copy stand for the source's
+                # whole sequence (its rings hold its last positions); the reused positions otherwise.
+                positions = self._holding(source)[0] if self.fixed_size_state else n
+                self.executor.run(copy_step(source, seq.slot, positions))
+                seq.prefilled = n
+                self.prefix_copies += 1
+        if seq.prefilled:
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += seq.prefilled
+            seq.result.cached_tokens = seq.prefilled
 
-    def _held(self, seq: Sequence) -> tuple[list[int], int]:
-        """The tokens whose state a retiring sequence leaves in its slot, and how many of them a
-        later prompt can reuse: an MTP module has not run over the last `unseen` tokens (a
-        prefill of position p rewrites its entry at p - 1 itself, hence one more)."""
-        ids = seq.request.prompt_ids
-        fed = (ids + seq.result.token_ids)[: seq.prefilled + max(len(seq.result.token_ids) - 1, 0)]
+    def _may_reuse(self, seq: Sequence) -> bool:
+        return self.prefix_caching and seq.request.sampling.prompt_logprobs is None  # (a scored prompt runs whole)
+
+    def _reusable(self, prompt: list[int]) -> dict[int, int]:
+        """slot -> prompt positions its state gives now (0: none), for every slot the index knows."""
+        reusable = {}
+        for slot, common in self.index.matches(prompt).items():
+            known = len(self.index.tokens[slot])  # (a running sequence's: its prompt; it may hold fewer, or more)
+            held, usable = self._holding(slot)
+            n = min(common, usable, len(prompt) - 1)  # (one prompt token at least is prefilled: its logits give the next)
+            if self.fixed_size_state:  # rings hold the last positions: only a prompt continuing all it holds reuses
+                reusable[slot] = n if common >= held and known >= held else 0  # (n < held: the same tokens rewritten)
+            else:
+                reusable[slot] = n - n % self.entry_positions
+        return reusable
+
+    def _holding(self, slot: int) -> tuple[int, int]:
+        """(positions the slot's state holds, how many of them a later prompt can reuse)."""
+        if slot in self.cached:
+            return self.cached[slot]
+        return self._held(next(s for s in self.running if s.slot == slot))
+
+    def _held(self, seq: Sequence) -> tuple[int, int]:
+        """(tokens whose state a sequence has put in its slot, how many of them a later prompt can
+        reuse): an MTP module has not run over the last `unseen` tokens (a prefill of position p
+        rewrites its entry at p - 1 itself, hence one more)."""
+        fed = seq.prefilled + max(len(seq.result.token_ids) - 1, 0)
         lag = max(seq.unseen - 1, 0) if self.speculative else 0
-        return fed, len(fed) - lag
+        return fed, fed - lag
 
     def _prefill_chunk(self, seq: Sequence) -> torch.Tensor:
         """The prompt's next chunk: the largest bucket while more remains, then the smallest that

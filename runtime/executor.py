@@ -18,7 +18,7 @@ from .collectives import run_collective
 from .errors import BundleError
 from .files import BundleFiles
 from .manifest import read_key, read_manifest
-from .step import STEP_FIELDS, Step
+from .step import STEP_FIELDS, Step, copy_state
 from .trust import Trust
 from .versions import toolchain_versions
 from .weights import tensors_of
@@ -49,6 +49,11 @@ class BundleExecutor:
         loaders = self._region_loaders(trust)
         weights = tensors_of(self.files.tensor(m.weight_files[rank]), str(self.bundle / m.weight_files[rank]))
         self.state = self._allocate_state()
+        # Each state tensor's positions per entry on axis 1 (None: a fixed size, or a legacy pool, taken whole).
+        self.entry_ratios = {f"kv.{i}.{t.name}": t.positions_per_entry for i, layer in enumerate(m.state or []) for t in layer}
+        # Backends that may hold the state in memory of their own (a PJRT buffer): told before the
+        # runtime changes it outside a region.
+        self.state_holders = [module for module in set(loaders.values()) if hasattr(module, "release_state")]
         views = {context: self._state_views(context) for context in {p.context for p in m.programs.values()}}
         fixed = {key: {**weights, **views[program.context]} for key, program in m.programs.items()}
         # Every tensor a region will read or write is checked against the specs it was compiled
@@ -88,8 +93,8 @@ class BundleExecutor:
         to its first context / positions_per_entry entries (a view: writes land in the pool)."""
         if context is None:
             return self.state
-        ratios = {f"kv.{i}.{t.name}": t.positions_per_entry for i, layer in enumerate(self.manifest.state or []) for t in layer}
-        return {name: t.narrow(1, 0, context // ratios[name]) if ratios.get(name) else t for name, t in self.state.items()}
+        return {name: t.narrow(1, 0, context // self.entry_ratios[name]) if self.entry_ratios.get(name) else t
+                for name, t in self.state.items()}
 
     def _check_shapes(self, key: str, program, fixed: dict):
         """Walk the program with (shape, dtype) per value: step inputs from the bucket, weights and
@@ -152,7 +157,13 @@ class BundleExecutor:
                 calls.append(_Call(functions[step.region], step.region, args, outputs))
         return _Plan(calls, len(slots), slots[program.output])
 
-    def run(self, step: Step) -> torch.Tensor:
+    def run(self, step: Step) -> torch.Tensor | None:
+        if step.method == "copy":  # (no program: the runtime copies the state itself)
+            for name, tensor in self.state.items():
+                for holder in self.state_holders:
+                    holder.release_state(tensor)
+                copy_state(tensor, self.entry_ratios.get(name), step)
+            return None
         plan = self.plans.get(step.key)
         if plan is None:
             contexts = self.manifest.contexts.get(step.method)

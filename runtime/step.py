@@ -8,20 +8,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-METHODS = ("stop", "prefill", "decode", "draft", "score")
+METHODS = ("stop", "prefill", "decode", "draft", "score", "copy")
 # The inputs each method's program reads, in the model's argument order (Step.inputs()). `draft`:
 # a speculative decoding draft step (the MTP module), laid out as decode; it returns draft tokens.
 # `score`: a prefill chunk that also scores each row's next prompt token (prompt logprobs).
 STEP_FIELDS = {"prefill": ("tokens", "positions", "slots", "read_slot", "last_index"), "decode": ("tokens", "positions", "slots"),
                "draft": ("tokens", "positions", "slots"),
-               "score": ("tokens", "positions", "slots", "read_slot", "last_index", "targets")}
+               "score": ("tokens", "positions", "slots", "read_slot", "last_index", "targets"),
+               "copy": ("tokens", "positions", "slots", "read_slot")}  # (no program: see copy_step)
 ROW_FIELDS = ("tokens", "positions", "slots", "targets")  # [bucket] each; the step record carries them all
 HEADER_WORDS = 5  # method, bucket, read_slot, last_index, context
 
 
 @dataclass
 class Step:
-    method: str  # "prefill" | "decode" | "draft" | "score"
+    method: str  # "prefill" | "decode" | "draft" | "score" | "copy"
     tokens: torch.Tensor  # [bucket] int64
     positions: torch.Tensor  # [bucket] int64
     slots: torch.Tensor  # [bucket] int64: the KV slot each row/token writes (decode, draft: also reads)
@@ -41,6 +42,26 @@ class Step:
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The method's inputs in the model's argument order (KV caches excluded)."""
         return tuple(getattr(self, name) for name in STEP_FIELDS[self.method])
+
+
+def copy_step(source: int, target: int, positions: int) -> Step:
+    """A step that runs no program: every rank copies the state slot `source` holds for its first
+    `positions` positions into slot `target` (prefix caching: a prefix another slot holds). Carried
+    as read_slot = source, slots = [target], positions = [positions]; its token is unused."""
+    return Step("copy", torch.zeros(1, dtype=torch.int64), torch.tensor([positions]), torch.tensor([target]),
+                read_slot=torch.tensor([source]))
+
+
+def copy_state(tensor: torch.Tensor, positions_per_entry: int | None, step: Step):
+    """Do a copy step to one state tensor [slots, ...]: the entries of its first positions (one per
+    positions_per_entry, the last one partly filled included), or the whole row for a tensor of a
+    fixed size (a ring, a compressor's buffer: it holds the source's last positions)."""
+    source, target = int(step.read_slot[0]), int(step.slots[0])
+    if positions_per_entry is None:
+        tensor[target].copy_(tensor[source])
+    else:
+        entries = min(-(-int(step.positions[0]) // positions_per_entry), tensor.shape[1])
+        tensor[target, :entries].copy_(tensor[source, :entries])
 
 
 def program_key(method: str, bucket: int, context: int | None) -> str:

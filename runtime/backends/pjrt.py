@@ -138,6 +138,15 @@ class _Arguments:
         _RESIDENT[id(tensor)] = array
 
 
+def release_state(tensor: torch.Tensor):
+    """The runtime is about to change state `tensor` outside a region (a prefix copy): its resident
+    buffer's value goes back into the torch tensor, which the next region call takes again (a
+    device platform pays a round trip of the tensor)."""
+    resident = _RESIDENT.pop(id(tensor), None)
+    if resident is not None:
+        tensor.copy_(_from_host(resident))
+
+
 # id(pool tensor) -> the PJRT buffer holding its current value (every region of the process reads
 # and updates the same state); dropped with the tensor.
 _RESIDENT: dict[int, object] = {}

@@ -440,7 +440,10 @@ class _Reply:
     def _usage(self) -> dict:
         prompt = sum(len(h.request.prompt_ids) for h in self.handles[:: self.generation.n])  # (once per prompt)
         completion = sum(len(ids) for ids in self.token_ids)
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # OpenAI's prompt_tokens_details.cached_tokens: prompt tokens not prefilled (prefix caching), per prompt's first sequence.
+        cached = sum(h.seq.result.cached_tokens for h in self.handles[:: self.generation.n] if h.seq is not None)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         if self.server.engine.speculative:  # tokens a decode step emitted (speculative decoding's gain)
             usage["tokens_per_step"] = tokens_per_step([h.seq.result for h in self.handles if h.seq is not None])
         return usage

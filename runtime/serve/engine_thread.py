@@ -166,7 +166,7 @@ class EngineThread:
             self.metrics.speculation(self.engine.drafted, self.engine.accepted)
         engine = self.engine
         self.metrics.prefix_cache({"hits": engine.prefix_hits, "hit_tokens": engine.prefix_hit_tokens,
-                                   "evictions": engine.prefix_evictions})
+                                   "copies": engine.prefix_copies, "evictions": engine.prefix_evictions})
 
     # --- back on the event loop --------------------------------------------------------------
 

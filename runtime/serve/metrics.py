@@ -28,10 +28,11 @@ class Metrics:
         self.acceptance = Gauge("deepinfer_spec_decode_acceptance_rate", "accepted / verified drafts since start, by "
                                 "draft position", ["position"], registry=r)
         self.published: dict[int, tuple[int, int]] = {}  # draft position -> the totals counted so far
-        # Prefix caching: prompts that reused a cached prefix, the prompt tokens not prefilled so, and
-        # cached prefixes dropped to make room.
+        # Prefix caching: prompts that reused a cached prefix, the prompt tokens not prefilled so, the
+        # reuses that copied another slot's state, and cached prefixes dropped to make room.
         self.prefix = {name: Counter(f"deepinfer_prefix_cache_{name}", help, registry=r) for name, help in (
             ("hits", "prompts that reused a cached prefix"), ("hit_tokens", "prompt tokens reused, not prefilled"),
+            ("copies", "reuses that copied the prefix from another slot (a running sequence's, n > 1)"),
             ("evictions", "cached prefixes dropped for another prompt"))}
         self.prefix_published = {name: 0 for name in self.prefix}
 

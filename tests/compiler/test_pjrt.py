@@ -117,6 +117,18 @@ def test_state_is_updated_in_place_in_pjrt_buffers(pjrt_bundle):
     assert pool[:, :4].eq(2).all() and pool[:, 4:].eq(1).all()
 
 
+def test_a_prefix_copied_between_slots_reaches_the_pjrt_buffers(pjrt_bundle):
+    """Prefix caching copies a running sequence's state into another slot outside any region: the
+    resident buffers' values go back to the torch pool first, and the next call takes it again."""
+    from deepinfer.runtime.backends import pjrt
+
+    engine = Engine.for_bundle(BundleExecutor(pjrt_bundle))
+    results = engine.generate([Request(PROMPTS[1], 8)] * 2)
+    assert engine.prefix_copies == 1 and results[1].cached_tokens == len(PROMPTS[1]) - 1
+    assert results[0].token_ids == results[1].token_ids == tokens(pjrt_bundle)[1]
+    assert all(id(t) in pjrt._RESIDENT for t in engine.executor.state.values())  # (resident again)
+
+
 def test_a_platform_without_dlpack_copies_and_gives_the_same_tokens(pjrt_bundle, monkeypatch):
     """Neuron's plugin has no DLPack: tensors go by host-to-device copies (weights once, kept) and
     outputs come back by copies; bf16 and fp8, which numpy lacks, as ml_dtypes. Forced here on the

@@ -262,6 +262,16 @@ def test_deepseek_v4_at_world_size_2_gives_the_tokens_of_transformers(tmp_path):
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     eos = hf.config.eos_token_id
     assert tokens == [e[: e.index(eos) + 1] if eos in e else e for e in expected]
+    # Prefix caching on both ranks: a prompt's second sequence copies the first one's state (its
+    # rings whole) from the running sequence's slot, and prefills only the last token.
+    repeated = ",".join(map(str, PROMPTS[1]))
+    result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), "--prompt-ids", repeated,
+                             "--prompt-ids", repeated, "--max-tokens", str(MAX_TOKENS), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    both = json.loads(result.stdout)["results"]
+    assert [r["cached_tokens"] for r in both] == [0, len(PROMPTS[1]) - 1]
+    assert both[0]["token_ids"] == both[1]["token_ids"] == tokens[1]
 
 
 def two_hosts(bundle: Path, *args: str) -> list[subprocess.Popen]:

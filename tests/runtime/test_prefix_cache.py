@@ -1,12 +1,16 @@
 """Prefix caching is exact: tokens with the cache on equal tokens with it off (DeepSeek-V3, whose
 state is all position-indexed, and V4, whose rings only let a prompt continue a whole cached
-sequence; with and without an MTP module lagging behind), and it reuses what it should."""
+sequence; with and without an MTP module lagging behind), in place and copied from another
+slot, and it reuses what it should; the hashed-block index finds what a full scan finds."""
+
+import random
 
 import pytest
 
 from deepinfer.compiler.eager import eager_engine
 from deepinfer.models import build_model
 from deepinfer.runtime.engine import Request
+from deepinfer.runtime.prefix_index import PrefixIndex
 from tests.runtime.test_speculative import CONFIGS, mtp_model
 
 SYSTEM = list(range(30, 75))  # a shared "system prompt" of 45 tokens
@@ -48,3 +52,38 @@ def test_the_least_recently_used_prefix_is_evicted_first():
     engine.generate([Request(prompts[2] + [7], 4)])  # still cached
     engine.generate([Request(prompts[0] + [7], 4)])  # evicted: prefilled whole (taking the second's slot)
     assert engine.prefix_hits == 1 and engine.prefix_hit_tokens == 20 and engine.prefix_evictions == 2
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("k", [0, 3])
+def test_sequences_sharing_a_running_prompt_copy_its_prefill(arch, k):
+    """Three sequences of one prompt (what `n` = 3 submits) and two questions after one system
+    prompt, all at once: each later prompt's prefix is copied from a running sequence's slot
+    (V4 copies only the whole prompt: its rings hold a running sequence's last positions)."""
+    model = mtp_model(k, arch) if k else build_model(arch, config=CONFIGS[arch], expert_overflow="always")
+    prompt = list(range(100, 140))
+    requests = [Request(prompt, 10)] * 3 + [Request(SYSTEM + [200 + i], 8) for i in range(2)]
+    on, off = eager_engine(model, max_seqs=6), eager_engine(model, max_seqs=6, prefix_caching=False)
+    results = on.generate(requests)
+    assert [r.token_ids for r in results] == [r.token_ids for r in off.generate(requests)]
+    copied = [r.cached_tokens for r in results]
+    assert copied == ([0, 39, 39, 0, len(SYSTEM)] if arch == "deepseek_v3" else [0, 39, 39, 0, 0])
+    assert on.prefix_copies == on.prefix_hits == (3 if arch == "deepseek_v3" else 2)
+
+
+def test_the_block_index_finds_the_common_prefix_a_scan_finds():
+    rng = random.Random(0)
+    index, held = PrefixIndex(block=4), {}
+    base = [rng.randrange(5) for _ in range(40)]
+    for slot in range(6):  # prefixes of one sequence, then a few tokens of their own
+        held[slot] = base[: rng.randrange(41)] + [rng.randrange(5) for _ in range(rng.randrange(6))]
+        index.add(slot, held[slot])
+    index.add(2, held[2] + [1, 2, 3])  # replaced, not added to
+    held[2] = held[2] + [1, 2, 3]
+    index.remove(5)
+    del held[5]
+    for _ in range(200):
+        prompt = base[: rng.randrange(41)] + [rng.randrange(5) for _ in range(rng.randrange(6))]
+        scan = {slot: next((i for i, (a, b) in enumerate(zip(tokens, prompt)) if a != b), min(len(tokens), len(prompt)))
+                for slot, tokens in held.items()}
+        assert index.matches(prompt) == scan

@@ -120,9 +120,10 @@ def test_a_follower_killed_mid_stream_fails_it_with_503_and_exits_1(bundle, shm_
 
 
 def test_prefix_caching_at_world_size_2_gives_the_tokens_without_it(bundle):
-    """A chat resending its history, then another question after the same first 40 tokens, on two
-    servers of the same 2-rank bundle (followers replay the leader's steps: a reused slot is
-    reused on every rank)."""
+    """A chat resending its history, then another question after the same first 40 tokens, then
+    n = 3 sequences of one prompt (two copy the first one's prefill into their slots), on two
+    servers of the same 2-rank bundle (followers replay the leader's steps: a reused slot is reused
+    and a copy is copied on every rank)."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
     servers = {"on": Served(bundle), "off": Served(bundle, "--no-prefix-caching")}
     try:
@@ -136,9 +137,14 @@ def test_prefix_caching_at_world_size_2_gives_the_tokens_without_it(bundle):
                 assert status == 200, body
                 tokens[name].append(body["choices"][0]["token_ids"])
                 history = history + tokens[name][-1] + (prompt_end or [])
+            status, body = request("POST", f"{served.url}/v1/completions", {"prompt": list(range(60, 90)), "n": 3,
+                                   "max_tokens": 8, "temperature": 0, "return_token_ids": True}, auth)
+            assert status == 200, body
+            tokens[name] += [choice["token_ids"] for choice in body["choices"]]
         assert tokens["on"] == tokens["off"]
-        assert servers["on"].metric("deepinfer_prefix_cache_hits_total") == 2
-        assert servers["on"].metric("deepinfer_prefix_cache_hit_tokens_total") >= 40 + 47
+        assert servers["on"].metric("deepinfer_prefix_cache_hits_total") == 4
+        assert servers["on"].metric("deepinfer_prefix_cache_copies_total") == 2
+        assert servers["on"].metric("deepinfer_prefix_cache_hit_tokens_total") >= 40 + 47 + 2 * 29
         assert servers["off"].metric("deepinfer_prefix_cache_hits_total") == 0
     finally:
         for served in servers.values():

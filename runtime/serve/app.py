@@ -310,7 +310,8 @@ class _Reply:
         """(index, new text, new token ids, new logprob entries, finish_reason or None) as the
         engine produces them; with echo a choice's first update starts with its prompt. Leaving
         early (a client gone, an error) cancels what is still running."""
-        streams = [TextStream(self.server.tokenizer, self.generation.stop) for _ in self.handles]
+        streams = [TextStream(self.server.tokenizer, self.generation.stop, self.generation.sampling.min_tokens)
+                   for _ in self.handles]
         pending = self.pending
         events = self.handles[0].events
         try:

@@ -1,12 +1,14 @@
 """Token ids -> the text a client sees, one token at a time: incremental detokenization (a
 character whose UTF-8 bytes span several tokens comes out whole, once) and stop strings (held
-back while they may still be starting, never included)."""
+back while they may still be starting, never included; as vLLM, not looked for before
+min_tokens tokens)."""
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read] were decoded last time: the context for the next piece
         self.read = 0
@@ -37,6 +39,8 @@ class TextStream:
         self.prefix, self.read = self.read, len(self.ids)
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += piece
+        if len(self.ids) < self.min_tokens:
+            return
         found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if found:
             self.text = self.text[: min(found)]

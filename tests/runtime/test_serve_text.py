@@ -13,9 +13,9 @@ from deepinfer.runtime.tokenizer import ByteTokenizer
 TEXT = "héllo 😀 wörld, 日本 ok"
 
 
-def pieces(stop: list[str]) -> list[str]:
+def pieces(stop: list[str], min_tokens: int = 0) -> list[str]:
     tokenizer = ByteTokenizer(320)
-    stream = TextStream(tokenizer, stop)
+    stream = TextStream(tokenizer, stop, min_tokens)
     out = [stream.add(t) for t in tokenizer.encode(TEXT)]
     return out + [stream.finish()]
 
@@ -41,6 +41,13 @@ def test_stop_strings_are_cut_and_held_back_until_decided(stop, expected):
     for piece in out[:-1]:  # nothing of a stop string is ever sent, even partly
         sent += piece
         assert expected.startswith(sent)
+
+
+def test_stop_strings_are_not_looked_for_before_min_tokens():
+    """As vLLM: a stop string ending within the first min_tokens tokens does not stop; one ending
+    after does (bytes are tokens: TEXT's first "o" is token 6, the next is in "ok")."""
+    assert "".join(pieces(["o"], min_tokens=6)) == "héll"
+    assert "".join(pieces(["o"], min_tokens=7)) == "héllo 😀 wörld, 日本 "
 
 
 def test_the_chat_template_comes_from_the_checkpoint(tmp_path):

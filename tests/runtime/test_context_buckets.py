@@ -1,7 +1,7 @@
 """Context buckets: each step runs the program for the smallest context that holds its longest
 sequence, and gives the tokens of the whole-pool model (eager) and of transformers; the regions
 that read no state (MLP, MoE, embedding, head) compile once for every context. DeepSeek-V4's
-compressed entries under context buckets, over 2 ranks: test_multirank's V4 test."""
+compressed entries under context buckets, over 2 ranks: test_speculative's V4 world-size-2 test."""
 
 import json
 

@@ -37,7 +37,7 @@ def test_compiled_tokens_equal_eager_tokens(tiny_bundle, backend):
 def test_deepseek_v4_through_aotinductor_equals_eager(tmp_path):
     """AOTInductor compiles V4's math (mHC, compressors, indexer top-k, sinks) to the eager model's
     tokens. One whole-graph region per program keeps this to 2 AOTInductor compiles; V4 through
-    the export backend, one region set per layer kind, is test_multirank's world-size-2 test."""
+    the export backend, one region set per layer kind, is test_speculative's world-size-2 test."""
     same_tokens_as_eager(compile_tiny_v4(tmp_path, regions={"split_layers": False, "boundaries": []}))
 
 

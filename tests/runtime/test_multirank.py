@@ -235,45 +235,6 @@ def test_followers_end_with_the_leader(bundles, signum, after):
     assert leftovers() <= shm_before  # nothing in /dev/shm or the temp dir, however the leader ended
 
 
-def test_deepseek_v4_at_world_size_2_gives_the_tokens_of_transformers(tmp_path):
-    """V4 over 2 ranks (tp 2: shared expert and LM head split, attention replicated; ep 2: each rank
-    holds 4 of the 8 experts, hash-routed layers included) against transformers' greedy tokens.
-    Decode runs under context buckets 16 and 32 (then kv.max_len): the compressed entries the
-    indexer scores and HCA attends are read up to the context, and the leader tells the follower
-    which context each step runs (generation crosses both edges)."""
-    from tests.conftest import compile_tiny_v4, tiny_v4_config
-    from tests.models.test_hf_parity import decisive_init
-
-    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**tiny_v4_config())).eval()
-    hf.config._attn_implementation = "eager"
-    decisive_init(hf, seed=3)
-    hf.save_pretrained(tmp_path / "hf-tiny-v4")
-    bundle = compile_tiny_v4(tmp_path, model={"arch": "deepseek_v4", "checkpoint": str(tmp_path / "hf-tiny-v4")},
-                             parallel={"world_size": 2, "tp": 2, "ep": 2}, backend={"name": "export"},
-                             methods={"decode": {"buckets": [4], "context": [16, 32]}, "prefill": {"buckets": [16]}})
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    ratios = {t["name"]: t["positions_per_entry"] for layer in manifest["state"] for t in layer}
-    assert ratios["window"] is None and ratios["buffer"] is None and ratios["index_entries"] == 4 and ratios["entries"] in (4, 16)
-    index_entries = [n for s in manifest["programs"]["decode/4/16"]["steps"] for n in s["inputs"] if n.endswith(".index_entries")]
-    assert index_entries and sorted(manifest["programs"]) == ["decode/4/16", "decode/4/256", "decode/4/32", "prefill/16"]
-    result = run_bundle(bundle)
-    assert result.returncode == 0, result.stderr[-3000:]
-    tokens = [r["token_ids"] for r in json.loads(result.stdout)["results"]]
-    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-    eos = hf.config.eos_token_id
-    assert tokens == [e[: e.index(eos) + 1] if eos in e else e for e in expected]
-    # Prefix caching on both ranks: a prompt's second sequence copies the first one's state (its
-    # rings whole) from the running sequence's slot, and prefills only the last token.
-    repeated = ",".join(map(str, PROMPTS[1]))
-    result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), "--prompt-ids", repeated,
-                             "--prompt-ids", repeated, "--max-tokens", str(MAX_TOKENS), "--json"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    both = json.loads(result.stdout)["results"]
-    assert [r["cached_tokens"] for r in both] == [0, len(PROMPTS[1]) - 1]
-    assert both[0]["token_ids"] == both[1]["token_ids"] == tokens[1]
-
-
 def two_hosts(bundle: Path, *args: str) -> list[subprocess.Popen]:
     """torchrun on two "hosts" of 2 ranks each, on loopback: each its own torchrun (node 0 and 1),
     its own ring (they share this /dev/shm, as two hosts would not)."""

@@ -4,6 +4,8 @@ of decoding without speculation (DeepSeek-V3 and V4, eager and compiled, k = 1, 
 sampling)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -167,11 +169,30 @@ def test_an_aotinductor_bundle_speculates_losslessly(tmp_path_factory, cache_dir
 
 @pytest.mark.parametrize("bundle, arch", [("k2-ws2", "deepseek_v3"), ("v4-k3-ws2-contexts", "deepseek_v4")])
 def test_speculation_at_world_size_2(spec_bundles, bundle, arch):
+    """V4 over 2 ranks (tp 2: shared expert and LM head split, attention replicated; ep 2), decode
+    under context buckets 64 and 256: the compressed entries the indexer scores and HCA attends
+    are read up to the context, and the leader tells the follower which context each step runs."""
     result = run_bundle(spec_bundles[bundle])
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout)["results"]
-    assert [r["token_ids"] for r in results] == greedy_for(RUN_PROMPTS, RUN_TOKENS, arch)
+    expected = greedy_for(RUN_PROMPTS, RUN_TOKENS, arch)
+    assert [r["token_ids"] for r in results] == expected
     assert all(r["tokens_per_step"] >= 1.0 for r in results)
+    if arch == "deepseek_v4":
+        manifest = json.loads((spec_bundles[bundle] / "manifest.json").read_text())
+        ratios = {t["name"]: t["positions_per_entry"] for layer in manifest["state"] for t in layer}
+        assert ratios["window"] is None and ratios["buffer"] is None and ratios["index_entries"] == 4 and ratios["entries"] in (4, 16)
+        assert {key.split("/")[-1] for key in manifest["programs"] if key.startswith("decode/")} == {"64", "256"}
+        # Prefix caching on both ranks: a prompt's second sequence copies the first one's state (its
+        # rings whole, the MTP module's too) from the running sequence's slot, and prefills its last token.
+        repeated = ",".join(map(str, RUN_PROMPTS[1]))
+        result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(spec_bundles[bundle]),
+                                 "--prompt-ids", repeated, "--prompt-ids", repeated, "--max-tokens", str(RUN_TOKENS), "--json"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        both = json.loads(result.stdout)["results"]
+        assert [r["cached_tokens"] for r in both] == [0, len(RUN_PROMPTS[1]) - 1]
+        assert both[0]["token_ids"] == both[1]["token_ids"] == expected[1]
 
 
 def test_the_server_speculates_under_continuous_batching(spec_bundles, reference):

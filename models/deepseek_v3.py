@@ -156,12 +156,16 @@ class MLAttention(nn.Module):
         w_kv_b = linear_weight(self.kv_b_proj, x.dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([self.nope, self.v_dim], dim=1)  # [H, n, R], [H, v, R]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        scores = torch.matmul(q_latent, cached_latent.mT) + torch.matmul(q_rope, cached_rope.mT)  # [T, H, L]
-        key_positions = torch.arange(rows.shape[1], device=rows.device)
+        # Grouped by the sequence read, B = 1 or T: a prefill's T x H queries are one product with
+        # its one cache, not T products with a broadcast copy of it (which bf16 matmuls materialize).
+        B, L = rows.shape[:2]
+        scores = (torch.matmul(q_latent.reshape(B, -1, self.kv_lora_rank), cached_latent.mT)
+                  + torch.matmul(q_rope.reshape(B, -1, self.rope_dim), cached_rope.mT)).view(T, self.n_heads, L)  # [T, H, L]
+        key_positions = torch.arange(L, device=rows.device)
         visible = key_positions[None, :] <= positions[:, None]  # [T, L]
         scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
-        out_latent = torch.matmul(probs, cached_latent)  # [T, H, R]
+        out_latent = torch.matmul(probs.view(B, -1, L), cached_latent).view(T, self.n_heads, -1)  # [T, H, R]
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v]
         out = self.o_proj(out.flatten(1))
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out

@@ -1,0 +1,155 @@
+"""bfloat16 bundles against float32 bundles on this CPU, side by side: decode time per output token
+(batch 1) and the time to first token of a 256-token prompt, AOTInductor, one whole graph a program.
+
+    .venv/bin/python bench/bf16_bench.py                     # the 12m and 100m configs
+    .venv/bin/python bench/bf16_bench.py --configs 12m --regions
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python bench/bf16_bench.py   # an AVX-512 host held to AVX2
+
+The first line names the ISA: the CPU's model and bf16 features, the vector ISA ATen and inductor
+use (ATEN_CPU_CAPABILITY steers both) and oneDNN's cap. Held to AVX2 on an AVX-512 host, inductor
+emits AVX2 code and oneDNN runs its AVX2 kernels, as on an AVX2-only host (the caches and memory
+of this host remain). Targets (issue 26): bf16 / f32 TPOT <= 0.8 (half the weight bytes to read)
+and 256-token TTFT <= 1.2. The paths take turns in rounds; medians.
+
+--regions also compiles the bf16 bundle split per layer and before each MLP and prints each
+region's host milliseconds a decode step and a 256-token prefill (where the time goes).
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import load_recipe
+from deepinfer.runtime.executor import BundleExecutor
+from deepinfer.runtime.step import Step
+
+from context_bench import BASE_100M
+from decode_bench import BEFORE_MLP
+
+CONFIGS = {
+    # ~12M: 6 layers (1 dense, 5 MoE of 16 experts, top 4)
+    "12m": {**BASE_100M, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "kv_lora_rank": 128, "q_lora_rank": 192},
+    "100m": BASE_100M,  # decode_bench's ~97M: 1 dense + 2 MoE layers of 16 experts, vocab 32000
+}
+PROMPT_LEN, POSITION = 256, 300  # a prefill chunk of 256 tokens; decode steps around position 300
+WARMUP, ROUNDS, REPEAT = 2, 6, 4
+
+
+def isa_line() -> str:
+    flags = set()
+    model = platform.processor()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+        elif line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+        if flags and model:
+            break
+    native = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    held = {name: os.environ[name] for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if name in os.environ}
+    return (f"CPU: {model}; flags {' '.join(native)}; ATen/inductor ISA {torch.backends.cpu.get_cpu_capability()}"
+            + (f" (held by {held})" if held else "") + f"; {torch.get_num_threads()} threads")
+
+
+def compile_bundle(work: Path, name: str, config: dict, dtype: str, split: bool) -> Path:
+    recipe = {"name": name, "model": {"config": config, "seed": 0}, "dtype": dtype,
+              "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [PROMPT_LEN]}},
+              "kv": {"max_seqs": 1, "max_len": 512},
+              "regions": {"split_layers": split, "boundaries": BEFORE_MLP if split else []},
+              "backend": {"name": "inductor"}, "output": str(work / name)}
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+    return compile_recipe(load_recipe(work / f"{name}.yaml"), cache_dir=work / "cache", progress=False).bundle
+
+
+def decode_step() -> Step:
+    return Step("decode", torch.tensor([7]), torch.tensor([POSITION]), torch.tensor([0]))
+
+
+def prefill_step() -> Step:
+    return Step("prefill", torch.arange(PROMPT_LEN) % 200 + 5, torch.arange(PROMPT_LEN), torch.zeros(PROMPT_LEN, dtype=torch.int64),
+                read_slot=torch.tensor([0]), last_index=torch.tensor([PROMPT_LEN - 1]))
+
+
+def take_turns(runs: dict) -> dict[str, float]:
+    """name -> fn(); median ms a call, the runs taking turns (ROUNDS rounds of REPEAT calls)."""
+    for fn in runs.values():
+        for _ in range(WARMUP):
+            fn()
+    times = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, fn in runs.items():
+            for _ in range(REPEAT):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def region_table(executor: BundleExecutor):
+    """Host ms each region takes in a decode step and in a 256-token prefill (median of 3)."""
+    for label, step in (("decode", decode_step()), (f"prefill {PROMPT_LEN}", prefill_step())):
+        program = executor.manifest.programs[step.key]
+        per_call = {}
+        for _ in range(3):
+            executor.host_seconds = {}
+            executor.run(step)
+            for fingerprint, seconds in executor.host_seconds.items():
+                per_call.setdefault(fingerprint, []).append(seconds)
+        uses, labels = {}, {}
+        for s in program.steps:
+            if s.region:
+                uses[s.region] = uses.get(s.region, 0) + 1
+                # named by the first weight it reads at its first use ("layers.1.mlp.gate.weight")
+                labels.setdefault(s.region, next((n for n in s.inputs if n.endswith("weight") or "experts" in n), s.inputs[0]))
+        total = sum(statistics.median(v) for v in per_call.values()) * 1e3
+        print(f"  {label}: {total:.1f} ms in regions")
+        for fingerprint, seconds in sorted(per_call.items(), key=lambda kv: -statistics.median(kv[1])):
+            ms = statistics.median(seconds) * 1e3
+            print(f"    {ms:8.2f} ms  {ms / total * 100:5.1f}%  x{uses[fingerprint]}  {labels[fingerprint]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--regions", action="store_true", help="per-region host time of a split bf16 bundle")
+    args = parser.parse_args()
+    print(isa_line())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in args.configs:
+            start = time.perf_counter()
+            executors = {dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}", CONFIGS[name], dtype, False))
+                         for dtype in ("float32", "bfloat16")}
+            print(f"\n{name}: compiled in {time.perf_counter() - start:.0f} s")
+            runs = {}
+            for dtype, executor in executors.items():
+                runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step())
+                runs[f"ttft {dtype}"] = lambda e=executor: e.run(prefill_step())
+            ms = take_turns(runs)
+            tpot, ttft = ms["tpot bfloat16"] / ms["tpot float32"], ms["ttft bfloat16"] / ms["ttft float32"]
+            rows.append((name, ms, tpot, ttft))
+            print(f"  TPOT  f32 {ms['tpot float32']:8.2f} ms  bf16 {ms['tpot bfloat16']:8.2f} ms  bf16/f32 {tpot:.2f} "
+                  f"(target <= 0.8) {'MET' if tpot <= 0.8 else 'MISSED'}")
+            print(f"  TTFT  f32 {ms['ttft float32']:8.1f} ms  bf16 {ms['ttft bfloat16']:8.1f} ms  bf16/f32 {ttft:.2f} "
+                  f"(target <= 1.2) {'MET' if ttft <= 1.2 else 'MISSED'}")
+            if args.regions:
+                region_table(BundleExecutor(compile_bundle(work, f"{name}-bf16-split", CONFIGS[name], "bfloat16", True)))
+    print("\n| config | TPOT f32 | TPOT bf16 | ratio | TTFT-256 f32 | TTFT-256 bf16 | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for name, ms, tpot, ttft in rows:
+        print(f"| {name} | {ms['tpot float32']:.2f} ms | {ms['tpot bfloat16']:.2f} ms | {tpot:.2f} | "
+              f"{ms['ttft float32']:.1f} ms | {ms['ttft bfloat16']:.1f} ms | {ttft:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

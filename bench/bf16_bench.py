@@ -31,7 +31,7 @@ from deepinfer.compiler.recipe import load_recipe
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.step import Step
 
-from context_bench import BASE_100M
+from context_bench import BASE_100M, take_turns
 from decode_bench import BEFORE_MLP
 
 CONFIGS = {
@@ -41,7 +41,6 @@ CONFIGS = {
     "100m": BASE_100M,  # decode_bench's ~97M: 1 dense + 2 MoE layers of 16 experts, vocab 32000
 }
 PROMPT_LEN, POSITION = 256, 300  # a prefill chunk of 256 tokens; decode steps around position 300
-WARMUP, ROUNDS, REPEAT = 2, 6, 4
 
 
 def isa_line() -> str:
@@ -77,21 +76,6 @@ def decode_step() -> Step:
 def prefill_step() -> Step:
     return Step("prefill", torch.arange(PROMPT_LEN) % 200 + 5, torch.arange(PROMPT_LEN), torch.zeros(PROMPT_LEN, dtype=torch.int64),
                 read_slot=torch.tensor([0]), last_index=torch.tensor([PROMPT_LEN - 1]))
-
-
-def take_turns(runs: dict) -> dict[str, float]:
-    """name -> fn(); median ms a call, the runs taking turns (ROUNDS rounds of REPEAT calls)."""
-    for fn in runs.values():
-        for _ in range(WARMUP):
-            fn()
-    times = {name: [] for name in runs}
-    for _ in range(ROUNDS):
-        for name, fn in runs.items():
-            for _ in range(REPEAT):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def region_table(executor: BundleExecutor):
@@ -135,7 +119,7 @@ def main():
             for dtype, executor in executors.items():
                 runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step())
                 runs[f"ttft {dtype}"] = lambda e=executor: e.run(prefill_step())
-            ms = take_turns(runs)
+            ms = take_turns(runs, repeat=3)
             tpot, ttft = ms["tpot bfloat16"] / ms["tpot float32"], ms["ttft bfloat16"] / ms["ttft float32"]
             rows.append((name, ms, tpot, ttft))
             print(f"  TPOT  f32 {ms['tpot float32']:8.2f} ms  bf16 {ms['tpot bfloat16']:8.2f} ms  bf16/f32 {tpot:.2f} "

@@ -78,33 +78,44 @@ def prefill_step() -> Step:
                 read_slot=torch.tensor([0]), last_index=torch.tensor([PROMPT_LEN - 1]))
 
 
-def region_table(executor: BundleExecutor):
-    """Host ms each region takes in a decode step and in a 256-token prefill (median of 3)."""
+def region_ms(executor: BundleExecutor, step: Step) -> dict:
+    """Median host ms per region fingerprint for one run of `step` (3 runs)."""
+    per_call = {}
+    for _ in range(3):
+        executor.host_seconds = {}
+        executor.run(step)
+        for fingerprint, seconds in executor.host_seconds.items():
+            per_call.setdefault(fingerprint, []).append(seconds)
+    return {fingerprint: statistics.median(seconds) * 1e3 for fingerprint, seconds in per_call.items()}
+
+
+def region_table(split: dict):
+    """Host ms each region takes in a decode step and in a 256-token prefill, f32 and bf16 bundles
+    split alike, their regions matched by name."""
     for label, step in (("decode", decode_step()), (f"prefill {PROMPT_LEN}", prefill_step())):
-        program = executor.manifest.programs[step.key]
-        per_call = {}
-        for _ in range(3):
-            executor.host_seconds = {}
-            executor.run(step)
-            for fingerprint, seconds in executor.host_seconds.items():
-                per_call.setdefault(fingerprint, []).append(seconds)
-        uses, labels = {}, {}
-        for s in program.steps:
-            if s.region:
-                uses[s.region] = uses.get(s.region, 0) + 1
-                # named by the first weight it reads at its first use ("layers.1.mlp.gate.weight")
-                labels.setdefault(s.region, next((n for n in s.inputs if n.endswith("weight") or "experts" in n), s.inputs[0]))
-        total = sum(statistics.median(v) for v in per_call.values()) * 1e3
-        print(f"  {label}: {total:.1f} ms in regions")
-        for fingerprint, seconds in sorted(per_call.items(), key=lambda kv: -statistics.median(kv[1])):
-            ms = statistics.median(seconds) * 1e3
-            print(f"    {ms:8.2f} ms  {ms / total * 100:5.1f}%  x{uses[fingerprint]}  {labels[fingerprint]}")
+        rows = {}  # region name -> {dtype: [ms a step over its uses, uses]}
+        for dtype, executor in split.items():
+            ms = region_ms(executor, step)
+            calls = [s for s in executor.manifest.programs[step.key].steps if s.region]
+            uses = {fingerprint: sum(c.region == fingerprint for c in calls) for fingerprint in ms}
+            for call in calls:
+                # named by the first weight it reads that is not a norm's ("layers.*.mlp.gate.weight")
+                name = next((n for n in call.inputs if ("weight" in n or "experts" in n) and "norm" not in n), call.inputs[0])
+                name = ".".join("*" if part.isdigit() else part for part in name.split("."))
+                cell = rows.setdefault(name, {}).setdefault(dtype, [0.0, 0])
+                cell[0] += ms[call.region] / uses[call.region]
+                cell[1] += 1
+        totals = {dtype: sum(rows[n][dtype][0] for n in rows) for dtype in split}
+        print(f"  {label}: f32 {totals['float32']:.1f} ms, bf16 {totals['bfloat16']:.1f} ms in regions")
+        for name, cells in sorted(rows.items(), key=lambda kv: -kv[1]["bfloat16"][0]):
+            f32, bf16 = cells["float32"][0], cells["bfloat16"][0]
+            print(f"    f32 {f32:8.2f} ms  bf16 {bf16:8.2f} ms  {bf16 / f32:5.2f}  x{cells['bfloat16'][1]}  {name}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--regions", action="store_true", help="per-region host time of a split bf16 bundle")
+    parser.add_argument("--regions", action="store_true", help="per-region host time of split f32 and bf16 bundles")
     args = parser.parse_args()
     print(isa_line())
     rows = []
@@ -127,7 +138,8 @@ def main():
             print(f"  TTFT  f32 {ms['ttft float32']:8.1f} ms  bf16 {ms['ttft bfloat16']:8.1f} ms  bf16/f32 {ttft:.2f} "
                   f"(target <= 1.2) {'MET' if ttft <= 1.2 else 'MISSED'}")
             if args.regions:
-                region_table(BundleExecutor(compile_bundle(work, f"{name}-bf16-split", CONFIGS[name], "bfloat16", True)))
+                region_table({dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}-split", CONFIGS[name], dtype, True))
+                              for dtype in ("float32", "bfloat16")})
     print("\n| config | TPOT f32 | TPOT bf16 | ratio | TTFT-256 f32 | TTFT-256 bf16 | ratio |")
     print("|---|---|---|---|---|---|---|")
     for name, ms, tpot, ttft in rows:

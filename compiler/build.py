@@ -72,10 +72,12 @@ class Summary:
     compiled: int
     seconds: float
     bundle: Path
+    compute: str | None = None  # the backend's note on what a bf16 model computes in, where it says
 
     def __str__(self) -> str:
         return (f"{self.programs} programs, {self.steps} region calls in schedules, {self.unique_regions} unique regions "
-                f"({self.cache_hits} cache hits, {self.compiled} compiled), {self.seconds:.1f} s -> {self.bundle}")
+                f"({self.cache_hits} cache hits, {self.compiled} compiled), {self.seconds:.1f} s -> {self.bundle}"
+                + (f"; {self.compute}" if self.compute else ""))
 
 
 def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
@@ -83,6 +85,14 @@ def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
     return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype,
                        device=device, layout=layout, quantized_weights=m["quantized_weights"], expert_capacity=m["expert_capacity"],
                        expert_overflow=m["expert_overflow"], draft_tokens=recipe.speculative)
+
+
+def compute_note(recipe: Recipe) -> str | None:
+    """What the backend computes the recipe's dtype in on this host, where it says (inductor: bf16)."""
+    backend = backend_module(recipe.backend)
+    if not hasattr(backend, "compute_note") or backend.unavailable(recipe.backend_options):
+        return None
+    return backend.compute_note(recipe.dtype)
 
 
 def recipe_layout(recipe: Recipe) -> Layout:
@@ -337,4 +347,4 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan.weight_names, layout), carried, sign_key)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
     return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
-                   time.perf_counter() - start, recipe.output)
+                   time.perf_counter() - start, recipe.output, compute_note(recipe))

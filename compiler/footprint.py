@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .build import Plan, plan, recipe_layout, state_bytes, weight_specs
+from .build import Plan, compute_note, plan, recipe_layout, state_bytes, weight_specs
 from .recipe import Recipe, RecipeError
 
 GIB = 1 << 30
@@ -83,6 +83,7 @@ def report(recipe: Recipe) -> dict:
     p = recipe.parallel
     return {
         "recipe": recipe.name, "arch": recipe.model["arch"], "dtype": recipe.dtype, "backend": recipe.backend,
+        "compute": compute_note(recipe),
         "parallel": {"world_size": p["world_size"], "tp": p["tp"], "ep": p["ep"]},
         "kv": dict(recipe.kv), "programs": programs, "unique_regions": len(the_plan.regions),
         "region_calls": sum(row["region_calls"] for row in programs),
@@ -119,6 +120,7 @@ def format_report(plan_report: dict) -> str:
     lines = [f"plan for {r['recipe']}: {r['arch']}, {r['dtype']}, backend {r['backend']}, world_size {p['world_size']} "
              f"(tp {p['tp']}, ep {p['ep']}), kv.max_seqs {r['kv']['max_seqs']} x kv.max_len {r['kv']['max_len']}; "
              "nothing compiled",
+             *([f"compute: {r['compute']}"] if r["compute"] else []),
              f"{len(r['programs'])} programs, {r['region_calls']} region calls, {r['unique_regions']} unique regions",
              f"  {'program':<16} {'region calls':>12} {'collectives':>11} {'unique regions':>14}"]
     lines += [f"  {row['program']:<16} {row['region_calls']:>12} {row['collectives']:>11} {row['unique_regions']:>14}"

@@ -3,7 +3,12 @@
 
 `backend.options` are inductor configs (e.g. {"max_autotune": true}), merged over DEFAULTS.
 Weights are region inputs, so nothing is baked into the shared object and one artifact serves
-every layer."""
+every layer.
+
+Kernels are compiled for the vector ISA of the compiling host (`vector_isa`: ATEN_CPU_CAPABILITY
+holds it lower, e.g. to avx2), recorded in the toolchain, which the runtime checks against its
+host. Where that ISA has no native bfloat16 math, a bf16 model's matrix products are computed in
+float32 from its bf16 operands (graph pass float32_products.py); what is stored stays bf16."""
 
 import fcntl
 import hashlib
@@ -18,7 +23,7 @@ import torch
 import torch._inductor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.compiler.backends import blocked_matmul, gathered_matvec
+from deepinfer.compiler.backends import blocked_matmul, float32_products, gathered_matvec
 
 EXTENSION = "aoti.pt2"
 
@@ -40,23 +45,56 @@ def unavailable(options: dict):
 
 
 def versions() -> dict:
-    # CPU artifacts carry the host ISA in their build flags; the machine name keeps caches apart.
-    # The graph passes deepinfer adds change what a region compiles to: their source hash too.
-    return {"inductor_host": platform.machine(), "inductor_passes": passes_hash()}
+    # CPU artifacts carry the host ISA in their build flags (the runtime refuses a host without it),
+    # and it decides what bf16 products compute in. The graph passes deepinfer adds change what a
+    # region compiles to: their source hash too.
+    isa = vector_isa()
+    return {"inductor_host": platform.machine(), "inductor_isa": isa,
+            "inductor_bf16_products": "bfloat16" if native_bf16(isa) else "float32", "inductor_passes": passes_hash()}
 
 
-PASSES = (blocked_matmul, gathered_matvec)  # modules, each with its `patterns`
+def vector_isa() -> str:
+    """The CPU features inductor's kernels are built for here: its vector ISA ("avx2", "avx512
+    avx512_vnni amx_tile", ...; "" for none), plus avx512_bf16 where the build uses bf16 instructions."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    if not isa:
+        return ""
+    native = getattr(isa, "is_avx512_bf16_supported", lambda: False)()
+    return str(isa) + (" avx512_bf16" if native else "")
+
+
+def native_bf16(isa: str) -> bool:
+    return "avx512_bf16" in isa.split()
+
+
+def compute_note(dtype: str) -> str | None:
+    if dtype != "bfloat16":
+        return None
+    isa = vector_isa() or "none"
+    if native_bf16(isa):
+        return f"bfloat16 math native (inductor ISA: {isa})"
+    return f"bfloat16 stored, matrix products computed in float32 (inductor ISA {isa} has no native bfloat16)"
+
+
+PASSES = (float32_products, blocked_matmul, gathered_matvec)  # modules, each with its `patterns`
 
 
 class GraphPasses(CustomGraphPass):
-    """deepinfer's own passes over inductor's post-grad graph (inductor runs them first)."""
+    """deepinfer's own passes over inductor's post-grad graph (inductor runs them first);
+    float32_products only for a host without native bf16 math."""
+
+    def __init__(self, bf16_products_in_float32: bool):
+        self.bf16_products_in_float32 = bf16_products_in_float32  # (inductor deep-copies the pass: plain data)
 
     def __call__(self, graph: torch.fx.Graph):
         for module in PASSES:
-            module.patterns.apply(graph)
+            if self.bf16_products_in_float32 or module is not float32_products:
+                module.patterns.apply(graph)
 
     def uuid(self) -> str:
-        return passes_hash()
+        return f"{passes_hash()}-{self.bf16_products_in_float32}"
 
 
 def passes_hash() -> str:
@@ -67,8 +105,8 @@ def passes_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def graph_passes():
-    return GraphPasses()
+def graph_passes(bf16_products_in_float32: bool = False):
+    return GraphPasses(bf16_products_in_float32)
 
 
 def options(user: dict) -> dict:
@@ -93,7 +131,7 @@ def compile(program, options: dict, out):
     # The decomposition pass reads its thresholds when its module is first imported, so they are
     # set globally before inductor loads it (this is the region's own worker process).
     torch._inductor.config.post_grad_fusion_options = options.get("post_grad_fusion_options", {})
-    torch._inductor.config.post_grad_custom_pre_pass = graph_passes()
+    torch._inductor.config.post_grad_custom_pre_pass = graph_passes(not native_bf16(vector_isa()))
     program._example_inputs = (example_inputs(program), {})  # AOTInductor insists on having some
     with _private_inductor_cache(program):
         torch._inductor.aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))

@@ -1,7 +1,9 @@
 """Region loaders, one file per backend (`runtime/backends/<name>.py`), each with
 `load(data, region, where) -> callable` and `NATIVE_CODE`: whether its artifacts carry machine code;
 optionally `release_state(tensor)`, for a backend that keeps state tensors in memory of its own:
-put the current value back in the torch tensor, which the runtime is about to change itself.
+put the current value back in the torch tensor, which the runtime is about to change itself; and
+`host_problem(toolchain) -> str | None`: what this host lacks to run code compiled with the
+manifest's toolchain (the CPU features its kernels were built for), checked before anything loads.
 
 The callable takes the region's inputs positionally and returns a tuple of outputs. `data` is the
 region file's bytes, already checked against the manifest (the bytes verified are the bytes

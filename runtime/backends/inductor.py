@@ -1,10 +1,31 @@
 """AOTInductor packages (`.pt2`): compiled C++ kernels (native code), weights passed in as inputs."""
 
+import platform
+
+import torch
 import torch._inductor
+from torch._inductor.cpu_vec_isa import x86_isa_checker
 
 from . import private_copy
 
 NATIVE_CODE = True
+
+
+def host_problem(toolchain: dict) -> str | None:
+    """The CPU features the kernels were built for (the toolchain's inductor_isa, e.g. "avx512
+    avx512_vnni amx_tile avx512_bf16") that this host lacks: such code stops at an illegal
+    instruction. Read from the CPU's flags (no compiler needed); hosts other than x86 are not checked."""
+    wanted = toolchain.get("inductor_isa", "").split()
+    if not wanted or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    here = set(x86_isa_checker()) | ({"avx512_bf16"} if torch.cpu._is_avx512_bf16_supported() else set())
+    missing = [feature for feature in wanted if feature not in here]
+    if not missing:
+        return None
+    return (f"the bundle's AOTInductor kernels were built for CPU features {' '.join(wanted)}, and this host lacks "
+            f"{' '.join(missing)} (it has {' '.join(sorted(here)) or 'no vector ISA'}): they would stop at an illegal "
+            "instruction. Compile the recipe on a host like this one (deepinfer-compile builds for the CPU it runs on; "
+            "ATEN_CPU_CAPABILITY=avx2 holds it to AVX2, code every x86-64 server of the last decade runs).")
 
 
 def load(data: bytes, region, where: str):

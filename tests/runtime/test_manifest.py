@@ -66,6 +66,19 @@ def test_toolchain_mismatch_names_both_versions(bundle):
         read_manifest(bundle, toolchain_versions())
 
 
+def test_kernels_built_for_cpu_features_this_host_lacks_are_refused(tiny_bundle, tmp_path):
+    bundle = tmp_path / "inductor"
+    shutil.copytree(tiny_bundle("inductor"), bundle)
+    path = bundle / "manifest.json"
+    manifest = Manifest.from_dict(json.loads(path.read_text()))
+    assert manifest.toolchain["inductor_isa"]  # the compiling host's vector ISA, e.g. "avx2"
+    assert manifest.toolchain["inductor_bf16_products"] in ("bfloat16", "float32")
+    manifest.toolchain["inductor_isa"] += " avx10_2"  # as a newer CPU's compile would record it
+    path.write_text(manifest.to_json())
+    with pytest.raises(BundleError, match=r"built for CPU features .* this host lacks avx10_2 .* illegal instruction"):
+        BundleExecutor(bundle)
+
+
 def test_not_a_bundle(tmp_path):
     with pytest.raises(BundleError, match="no manifest.json"):
         read_manifest(tmp_path, toolchain_versions())

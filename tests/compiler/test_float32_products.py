@@ -1,0 +1,54 @@
+"""The inductor backend's float32-products pass, for hosts without native bfloat16 math: a bf16
+matrix product is computed in float32 from its bf16 operands and rounded to bf16 once, a one-row
+product as a reduction that reads the bf16 weight as stored."""
+
+import torch
+import torch._inductor.config
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+
+from deepinfer.compiler.backends import inductor
+
+BF16 = torch.bfloat16
+
+
+def layer(row, rows, w_row, w_rows, q, w_heads):
+    # a decode row and a 16-row chunk times weights, and a per-head product (MLA's absorbed einsum)
+    return F.linear(row, w_row), F.linear(rows, w_rows), torch.einsum("thn,hnr->thr", q, w_heads)
+
+
+def in_float32(row, rows, w_row, w_rows, q, w_heads):
+    """What the pass promises: each product of the bf16 values in float32, rounded to bf16 once."""
+    return tuple(out.to(BF16) for out in layer(*(t.float() for t in (row, rows, w_row, w_rows, q, w_heads))))
+
+
+def compiled(bf16_products_in_float32: bool, *args):
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes(bf16_products_in_float32),
+                                      post_grad_fusion_options=inductor.DEFAULTS["post_grad_fusion_options"]):
+        return run_and_get_code(torch.compile(layer, dynamic=False, backend="inductor"), *args)
+
+
+def test_bf16_products_are_computed_in_float32():
+    torch.manual_seed(0)
+    args = (torch.randn(1, 96), torch.randn(16, 96), torch.randn(320, 96), torch.randn(256, 96),
+            torch.randn(1, 4, 32), torch.randn(4, 32, 48))
+    args = tuple(t.to(BF16) for t in args)
+    results, (code, *_) = compiled(True, *args)
+    for got, expected in zip(results, in_float32(*args)):
+        assert got.dtype == BF16
+        torch.testing.assert_close(got, expected, atol=0, rtol=2 ** -7)  # at most the last bf16 bit apart
+    # the 16-row product: one BLAS call, on float32 copies of its operands
+    assert code.count("extern_kernels.mm(") == 1 and "empty_strided_cpu((96, 256), (1, 96), torch.float32)" in code, code
+    # the one-row products: reductions that read the weights as stored, never a float32 copy of one
+    assert "extern_kernels.bmm(" not in code, code
+    for weight in ("(320, 96)", "(96, 320)", "(4, 32, 48)"):
+        assert f"empty_strided_cpu({weight}" not in code, code
+
+
+def test_without_the_pass_bf16_products_stay_bf16():
+    """(What the pass changes: a host with native bf16 math multiplies the bf16 operands as they are.)"""
+    torch.manual_seed(0)
+    args = tuple(torch.randn(shape).to(BF16) for shape in ((1, 96), (16, 96), (320, 96), (256, 96), (1, 4, 32), (4, 32, 48)))
+    _, (code, *_) = compiled(False, *args)
+    assert "extern_kernels.mm(arg2_1, reinterpret_tensor(arg3_1, (96, 256)" in code, code  # the bf16 operands themselves

@@ -1,5 +1,6 @@
 """bfloat16 bundles against float32 bundles on this CPU, side by side: decode time per output token
-(batch 1) and the time to first token of a 256-token prompt, AOTInductor, one whole graph a program.
+(batch 1) and the time to first token of a 256-token prompt, AOTInductor bundles split per layer as
+recipes compile them (--whole-graph: one graph a program).
 
     .venv/bin/python bench/bf16_bench.py                     # the 12m and 100m configs
     .venv/bin/python bench/bf16_bench.py --configs 12m --regions
@@ -11,8 +12,8 @@ emits AVX2 code and oneDNN runs its AVX2 kernels, as on an AVX2-only host (the c
 of this host remain). Targets (issue 26): bf16 / f32 TPOT <= 0.8 (half the weight bytes to read)
 and 256-token TTFT <= 1.2. The paths take turns in rounds; medians.
 
---regions also compiles the bf16 bundle split per layer and before each MLP and prints each
-region's host milliseconds a decode step and a 256-token prefill (where the time goes).
+--regions also compiles both split per layer and before each MLP and prints each region's host
+milliseconds a decode step and a 256-token prefill, f32 beside bf16 (where the time goes).
 """
 
 import argparse
@@ -59,11 +60,11 @@ def isa_line() -> str:
             + (f" (held by {held})" if held else "") + f"; {torch.get_num_threads()} threads")
 
 
-def compile_bundle(work: Path, name: str, config: dict, dtype: str, split: bool) -> Path:
+def compile_bundle(work: Path, name: str, config: dict, dtype: str, split_layers: bool, boundaries: list) -> Path:
     recipe = {"name": name, "model": {"config": config, "seed": 0}, "dtype": dtype,
               "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [PROMPT_LEN]}},
               "kv": {"max_seqs": 1, "max_len": 512},
-              "regions": {"split_layers": split, "boundaries": BEFORE_MLP if split else []},
+              "regions": {"split_layers": split_layers, "boundaries": boundaries},
               "backend": {"name": "inductor"}, "output": str(work / name)}
     (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
     return compile_recipe(load_recipe(work / f"{name}.yaml"), cache_dir=work / "cache", progress=False).bundle
@@ -116,6 +117,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--regions", action="store_true", help="per-region host time of split f32 and bf16 bundles")
+    parser.add_argument("--whole-graph", action="store_true", help="time bundles of one graph a program")
     args = parser.parse_args()
     print(isa_line())
     rows = []
@@ -123,22 +125,23 @@ def main():
         work = Path(tmp)
         for name in args.configs:
             start = time.perf_counter()
-            executors = {dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}", CONFIGS[name], dtype, False))
+            executors = {dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}", CONFIGS[name], dtype, not args.whole_graph, []))
                          for dtype in ("float32", "bfloat16")}
-            print(f"\n{name}: compiled in {time.perf_counter() - start:.0f} s")
+            form = "one graph a program" if args.whole_graph else "split per layer"
+            print(f"\n{name} ({form}): compiled in {time.perf_counter() - start:.0f} s")
             runs = {}
             for dtype, executor in executors.items():
                 runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step())
                 runs[f"ttft {dtype}"] = lambda e=executor: e.run(prefill_step())
             ms = take_turns(runs, repeat=3)
             tpot, ttft = ms["tpot bfloat16"] / ms["tpot float32"], ms["ttft bfloat16"] / ms["ttft float32"]
-            rows.append((name, ms, tpot, ttft))
+            rows.append((f"{name} ({form})", ms, tpot, ttft))
             print(f"  TPOT  f32 {ms['tpot float32']:8.2f} ms  bf16 {ms['tpot bfloat16']:8.2f} ms  bf16/f32 {tpot:.2f} "
                   f"(target <= 0.8) {'MET' if tpot <= 0.8 else 'MISSED'}")
             print(f"  TTFT  f32 {ms['ttft float32']:8.1f} ms  bf16 {ms['ttft bfloat16']:8.1f} ms  bf16/f32 {ttft:.2f} "
                   f"(target <= 1.2) {'MET' if ttft <= 1.2 else 'MISSED'}")
             if args.regions:
-                region_table({dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}-split", CONFIGS[name], dtype, True))
+                region_table({dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}-split", CONFIGS[name], dtype, True, BEFORE_MLP))
                               for dtype in ("float32", "bfloat16")})
     print("\n| config | TPOT f32 | TPOT bf16 | ratio | TTFT-256 f32 | TTFT-256 bf16 | ratio |")
     print("|---|---|---|---|---|---|---|")

@@ -39,6 +39,11 @@ def one_row(x32, matrix):
     return (x32.transpose(-1, -2) * matrix.float()).sum(-2, keepdim=True).to(BF16)
 
 
+def one_row_plus_bias(bias, x32, matrix):
+    """The same with a bias added before the one rounding (addmm, baddbmm)."""
+    return ((x32.transpose(-1, -2) * matrix.float()).sum(-2, keepdim=True) + bias.float()).to(BF16)
+
+
 def float32_row(x: torch.fx.Node) -> torch.fx.Node:
     """x converted to float32 into a buffer of its own, ahead of the reduction: inlined, what
     computes the row (a norm, its rounding to bf16) would run again for every column."""
@@ -54,10 +59,13 @@ def _register(op, arity: int):
     @register_graph_pattern(CallFunction(op, *(Arg() for _ in range(arity))), pass_dict=patterns,
                             extra_check=lambda match: _bf16(*match.args))
     def _replace(match, *args):
-        if op in (aten.mm, aten.bmm) and args[0].meta["val"].shape[-2] == 1:
-            match.replace_by_example(one_row, [float32_row(args[0]), args[1]])
-        else:
+        *bias, x, matrix = args
+        if x.meta["val"].shape[-2] > 1:
             match.replace_by_example(product(op), list(args))
+        elif bias:
+            match.replace_by_example(one_row_plus_bias, [*bias, float32_row(x), matrix])
+        else:
+            match.replace_by_example(one_row, [float32_row(x), matrix])
 
 
 for _op, _arity in ((aten.mm, 2), (aten.bmm, 2), (aten.addmm, 3), (aten.baddbmm, 3)):

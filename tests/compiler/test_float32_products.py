@@ -10,16 +10,19 @@ from torch._inductor.utils import run_and_get_code
 from deepinfer.compiler.backends import inductor
 
 BF16 = torch.bfloat16
+SHAPES = ((1, 96), (16, 96), (320, 96), (256, 96), (1, 4, 32), (4, 32, 48), (320,))  # layer's arguments
 
 
-def layer(row, rows, w_row, w_rows, q, w_heads):
-    # a decode row and a 16-row chunk times weights, and a per-head product (MLA's absorbed einsum)
-    return F.linear(row, w_row), F.linear(rows, w_rows), torch.einsum("thn,hnr->thr", q, w_heads)
+def layer(row, rows, w_row, w_rows, q, w_heads, bias):
+    # a decode row and a 16-row chunk times weights, a per-head product (MLA's absorbed einsum),
+    # and a decode row through a linear with a bias (addmm)
+    return (F.linear(row, w_row), F.linear(rows, w_rows), torch.einsum("thn,hnr->thr", q, w_heads),
+            F.linear(row, w_row, bias))
 
 
-def in_float32(row, rows, w_row, w_rows, q, w_heads):
+def in_float32(*args):
     """What the pass promises: each product of the bf16 values in float32, rounded to bf16 once."""
-    return tuple(out.to(BF16) for out in layer(*(t.float() for t in (row, rows, w_row, w_rows, q, w_heads))))
+    return tuple(out.to(BF16) for out in layer(*(t.float() for t in args)))
 
 
 def compiled(bf16_products_in_float32: bool, *args):
@@ -31,9 +34,7 @@ def compiled(bf16_products_in_float32: bool, *args):
 
 def test_bf16_products_are_computed_in_float32():
     torch.manual_seed(0)
-    args = (torch.randn(1, 96), torch.randn(16, 96), torch.randn(320, 96), torch.randn(256, 96),
-            torch.randn(1, 4, 32), torch.randn(4, 32, 48))
-    args = tuple(t.to(BF16) for t in args)
+    args = tuple(torch.randn(shape).to(BF16) for shape in SHAPES)
     results, (code, *_) = compiled(True, *args)
     for got, expected in zip(results, in_float32(*args)):
         assert got.dtype == BF16
@@ -41,7 +42,7 @@ def test_bf16_products_are_computed_in_float32():
     # the 16-row product: one BLAS call, on float32 copies of its operands
     assert code.count("extern_kernels.mm(") == 1 and "empty_strided_cpu((96, 256), (1, 96), torch.float32)" in code, code
     # the one-row products: reductions that read the weights as stored, never a float32 copy of one
-    assert "extern_kernels.bmm(" not in code, code
+    assert "extern_kernels.bmm(" not in code and "extern_kernels.addmm(" not in code, code
     for weight in ("(320, 96)", "(96, 320)", "(4, 32, 48)"):
         assert f"empty_strided_cpu({weight}" not in code, code
 
@@ -49,6 +50,6 @@ def test_bf16_products_are_computed_in_float32():
 def test_without_the_pass_bf16_products_stay_bf16():
     """(What the pass changes: a host with native bf16 math multiplies the bf16 operands as they are.)"""
     torch.manual_seed(0)
-    args = tuple(torch.randn(shape).to(BF16) for shape in ((1, 96), (16, 96), (320, 96), (256, 96), (1, 4, 32), (4, 32, 48)))
+    args = tuple(torch.randn(shape).to(BF16) for shape in SHAPES)
     _, (code, *_) = compiled(False, *args)
     assert "extern_kernels.mm(arg2_1, reinterpret_tensor(arg3_1, (96, 256)" in code, code  # the bf16 operands themselves

@@ -69,13 +69,16 @@ def native_bf16(isa: str) -> bool:
     return "avx512_bf16" in isa.split()
 
 
-def compute_note(dtype: str) -> str | None:
-    if dtype != "bfloat16":
-        return None
-    isa = vector_isa() or "none"
-    if native_bf16(isa):
-        return f"bfloat16 math native (inductor ISA: {isa})"
-    return f"bfloat16 stored, matrix products computed in float32 (inductor ISA {isa} has no native bfloat16)"
+def compute_note(dtype: str, kept_quantized: bool) -> str | None:
+    notes = []
+    if dtype == "bfloat16":
+        isa = vector_isa() or "none"
+        notes.append(f"bfloat16 math native (inductor ISA: {isa})" if native_bf16(isa) else
+                     f"bfloat16 stored, matrix products computed in float32 (inductor ISA {isa} has no native bfloat16)")
+    if kept_quantized:
+        notes.append("fp8/fp4 weights kept quantized are decoded in every step with integer ops (no CPU conversion "
+                     "instruction): slower than `model.quantized_weights: dequantize` on CPUs (bench/fp8_bench.py)")
+    return "; ".join(notes) or None
 
 
 PASSES = (float32_products, blocked_matmul, gathered_matvec)  # modules, each with its `patterns`

@@ -58,5 +58,5 @@ def test_v4_compiled_at_world_size_2_gives_the_tokens_of_transformers(v4_release
     world size 1 pass too: left out of CI for their minutes; dequantize-at-compile reads through
     the same code as the eager test's dequantized model."""
     release, _, expected = v4_release
-    bundle = compile_fp8(release, tmp_path, cache_dir, "pjrt", "keep", 2, arch="deepseek_v4")
+    bundle = compile_fp8(release, tmp_path, cache_dir, "pjrt", "keep", 2, arch="deepseek_v4").bundle
     assert run_tokens(bundle, PROMPTS) == expected

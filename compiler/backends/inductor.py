@@ -8,7 +8,8 @@ every layer.
 Kernels are compiled for the vector ISA of the compiling host (`vector_isa`: ATEN_CPU_CAPABILITY
 holds it lower, e.g. to avx2), recorded in the toolchain, which the runtime checks against its
 host. Where that ISA has no native bfloat16 math, a bf16 model's matrix products are computed in
-float32 from its bf16 operands (graph pass float32_products.py); what is stored stays bf16."""
+float32 from its bf16 operands (graph passes float32_products.py; one-row products on every host);
+what is stored stays bf16."""
 
 import fcntl
 import hashlib
@@ -81,20 +82,22 @@ def compute_note(dtype: str, kept_quantized: bool) -> str | None:
     return "; ".join(notes) or None
 
 
-PASSES = (float32_products, blocked_matmul, gathered_matvec)  # modules, each with its `patterns`
+PASSES = (float32_products, blocked_matmul, gathered_matvec)  # modules whose source fingerprints regions
 
 
 class GraphPasses(CustomGraphPass):
-    """deepinfer's own passes over inductor's post-grad graph (inductor runs them first);
-    float32_products only for a host without native bf16 math."""
+    """deepinfer's own passes over inductor's post-grad graph (inductor runs them first); bf16
+    chunk products in float32 only for a host without native bf16 math."""
 
     def __init__(self, bf16_products_in_float32: bool):
         self.bf16_products_in_float32 = bf16_products_in_float32  # (inductor deep-copies the pass: plain data)
 
     def __call__(self, graph: torch.fx.Graph):
-        for module in PASSES:
-            if self.bf16_products_in_float32 or module is not float32_products:
-                module.patterns.apply(graph)
+        float32_products.one_row_patterns.apply(graph)
+        if self.bf16_products_in_float32:
+            float32_products.chunk_patterns.apply(graph)
+        blocked_matmul.patterns.apply(graph)
+        gathered_matvec.patterns.apply(graph)
 
     def uuid(self) -> str:
         return f"{passes_hash()}-{self.bf16_products_in_float32}"

@@ -1,6 +1,7 @@
-"""The inductor backend's float32-products pass, for hosts without native bfloat16 math: a bf16
-matrix product is computed in float32 from its bf16 operands and rounded to bf16 once, a one-row
-product as a reduction that reads the bf16 weight as stored."""
+"""The inductor backend's float32-products passes: a bf16 matrix product is computed in float32
+from its bf16 operands and rounded to bf16 once -- a one-row product as a reduction that reads the
+bf16 weight as stored (every host), a chunk's as a BLAS call on float32 copies (hosts without
+native bf16 math)."""
 
 import torch
 import torch._inductor.config
@@ -47,8 +48,8 @@ def test_bf16_products_are_computed_in_float32():
         assert f"empty_strided_cpu({weight}" not in code, code
 
 
-def test_without_the_pass_bf16_products_stay_bf16():
-    """(What the pass changes: a host with native bf16 math multiplies the bf16 operands as they are.)"""
+def test_with_native_bf16_chunk_products_stay_bf16():
+    """A host with native bf16 math multiplies a chunk's bf16 operands as they are."""
     torch.manual_seed(0)
     args = tuple(torch.randn(shape).to(BF16) for shape in SHAPES)
     _, (code, *_) = compiled(False, *args)

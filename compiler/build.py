@@ -72,7 +72,7 @@ class Summary:
     compiled: int
     seconds: float
     bundle: Path
-    compute: str | None = None  # the backend's note on what a bf16 model computes in, where it says
+    compute: str | None = None  # the backend's note on what the weights compute in on this host, where it says
 
     def __str__(self) -> str:
         return (f"{self.programs} programs, {self.steps} region calls in schedules, {self.unique_regions} unique regions "

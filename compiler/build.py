@@ -87,14 +87,14 @@ def _model(recipe: Recipe, device: str, layout: Layout = Layout()):
                        expert_overflow=m["expert_overflow"], draft_tokens=recipe.speculative)
 
 
-def compute_note(recipe: Recipe, model_config: dict) -> str | None:
+def compute_note(recipe: Recipe, the_plan: Plan) -> str | None:
     """What the backend computes the recipe's weights in on this host, where it says (inductor:
     bf16, and fp8 kept quantized)."""
     backend = backend_module(recipe.backend)
-    if not hasattr(backend, "compute_note") or backend.unavailable(recipe.backend_options):
+    if not hasattr(backend, "compute_note"):
         return None
-    kept_quantized = bool(model_config.get("quantization_config")) and recipe.model["quantized_weights"] == "keep"
-    return backend.compute_note(recipe.dtype, kept_quantized)
+    kept_quantized = bool(the_plan.model_config.get("quantization_config")) and recipe.model["quantized_weights"] == "keep"
+    return backend.compute_note(the_plan.toolchain, recipe.dtype, kept_quantized)
 
 
 def recipe_layout(recipe: Recipe) -> Layout:
@@ -349,4 +349,4 @@ def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None,
     write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan.weight_names, layout), carried, sign_key)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
     return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
-                   time.perf_counter() - start, recipe.output, compute_note(recipe, the_plan.model_config))
+                   time.perf_counter() - start, recipe.output, compute_note(recipe, the_plan))

@@ -83,7 +83,7 @@ def report(recipe: Recipe) -> dict:
     p = recipe.parallel
     return {
         "recipe": recipe.name, "arch": recipe.model["arch"], "dtype": recipe.dtype, "backend": recipe.backend,
-        "compute": compute_note(recipe, the_plan.model_config),
+        "compute": compute_note(recipe, the_plan),
         "parallel": {"world_size": p["world_size"], "tp": p["tp"], "ep": p["ep"]},
         "kv": dict(recipe.kv), "programs": programs, "unique_regions": len(the_plan.regions),
         "region_calls": sum(row["region_calls"] for row in programs),

@@ -75,8 +75,7 @@ class BundleExecutor:
             raise BundleError(f"{where}: the bundle's regions carry machine code ({', '.join(native)} backend), and this "
                               "deployment runs data-only bundles (--native-regions refuse). Compile it with "
                               "`--backend export`, or allow native regions for a bundle you trust.")
-        for name in sorted({r.backend for r in self.manifest.regions.values()}):
-            module = backend_module(name, where)
+        for module in set(loaders.values()):
             problem = module.host_problem(self.manifest.toolchain) if hasattr(module, "host_problem") else None
             if problem:
                 raise BundleError(f"{where}: rank {self.rank}: {problem}")

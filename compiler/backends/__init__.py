@@ -17,10 +17,10 @@ The contract every backend module keeps, so the compile worker can drive any of 
                                        before anything compiles (the testing aid inject_fault is checked
                                        here, by options_problem, and never reaches the backend's)
     compile(program, options, out)     ExportedProgram of one region (weights are inputs) -> file `out`
-    compute_note(dtype: str, kept_quantized: bool) -> str | None (optional)
+    compute_note(toolchain, dtype: str, kept_quantized: bool) -> str | None (optional)
                                        what its regions compute a model stored in `dtype` (with fp8/fp4
-                                       weights kept quantized) in on this host, where that is worth
-                                       saying (shown by the compile summary and plan)
+                                       weights kept quantized) in, given the toolchain its versions()
+                                       recorded, where that is worth saying (compile summary and plan)
     transform_weight(name, tensor, scales_for) -> tensor (optional; scales_for: the dtype of the
                                        weight a `_scale_inv` tensor scales, else None)
                                        how the bundle stores a weight for this backend's hardware

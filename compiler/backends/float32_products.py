@@ -42,14 +42,18 @@ def product(op):
     return computed_in_float32
 
 
+def row_product(x32, matrix):
+    """x32 [1, K] @ matrix [K, N] (or batched: [B, 1, K] @ [B, K, N]) as a multiply-reduce over K, float32."""
+    return (x32.transpose(-1, -2) * matrix.float()).sum(-2, keepdim=True)
+
+
 def one_row(x32, matrix):
-    """x32 [1, K] @ matrix [K, N] (or batched: [B, 1, K] @ [B, K, N]) as a multiply-reduce over K."""
-    return (x32.transpose(-1, -2) * matrix.float()).sum(-2, keepdim=True).to(BF16)
+    return row_product(x32, matrix).to(BF16)
 
 
 def one_row_plus_bias(bias, x32, matrix):
     """The same with a bias added before the one rounding (addmm, baddbmm)."""
-    return ((x32.transpose(-1, -2) * matrix.float()).sum(-2, keepdim=True) + bias.float()).to(BF16)
+    return (row_product(x32, matrix) + bias.float()).to(BF16)
 
 
 def float32_row(x: torch.fx.Node) -> torch.fx.Node:

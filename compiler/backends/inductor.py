@@ -70,11 +70,11 @@ def native_bf16(isa: str) -> bool:
     return "avx512_bf16" in isa.split()
 
 
-def compute_note(dtype: str, kept_quantized: bool) -> str | None:
+def compute_note(toolchain: dict, dtype: str, kept_quantized: bool) -> str | None:
     notes = []
-    if dtype == "bfloat16":
-        isa = vector_isa() or "none"
-        notes.append(f"bfloat16 math native (inductor ISA: {isa})" if native_bf16(isa) else
+    if dtype == "bfloat16" and "inductor_isa" in toolchain:  # (what versions() recorded for this compile)
+        isa = toolchain["inductor_isa"] or "none"
+        notes.append(f"bfloat16 math native (inductor ISA: {isa})" if toolchain["inductor_bf16_products"] == "bfloat16" else
                      f"bfloat16 stored, matrix products computed in float32 (inductor ISA {isa} has no native bfloat16)")
     if kept_quantized:
         notes.append("fp8/fp4 weights kept quantized are decoded in every step with integer ops (no CPU conversion "

@@ -5,12 +5,20 @@ recipes compile them (--whole-graph: one graph a program).
     .venv/bin/python bench/bf16_bench.py                     # the 12m and 100m configs
     .venv/bin/python bench/bf16_bench.py --configs 12m --regions
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python bench/bf16_bench.py   # an AVX-512 host held to AVX2
+    .venv/bin/python bench/bf16_bench.py --configs 100m --position 8000 --cold
 
 The first line names the ISA: the CPU's model and bf16 features, the vector ISA ATen and inductor
 use (ATEN_CPU_CAPABILITY steers both) and oneDNN's cap. Held to AVX2 on an AVX-512 host, inductor
 emits AVX2 code and oneDNN runs its AVX2 kernels, as on an AVX2-only host (the caches and memory
 of this host remain). Targets (issue 26): bf16 / f32 TPOT <= 0.8 (half the weight bytes to read)
 and 256-token TTFT <= 1.2. The paths take turns in rounds; medians.
+
+Decode steps are at position 300 of a 512-position KV pool; --position P moves them (the pool
+grows to the power of two past P: the heads' products over the cache are the step's biggest).
+--cold evicts the CPU caches before each timed call (a read and write of twice the last-level
+cache): the weights then come from memory, as in a model much bigger than the cache, or on a host
+whose cache is smaller than this one's -- a CPU with a large L3 holds these small models whole,
+where bf16's half-size reads cannot show.
 
 --regions also compiles both split per layer and before each MLP and prints each region's host
 milliseconds a decode step and a 256-token prefill, f32 beside bf16 (where the time goes).
@@ -41,7 +49,7 @@ CONFIGS = {
             "num_hidden_layers": 6, "num_attention_heads": 4, "kv_lora_rank": 128, "q_lora_rank": 192},
     "100m": BASE_100M,  # decode_bench's ~97M: 1 dense + 2 MoE layers of 16 experts, vocab 32000
 }
-PROMPT_LEN, POSITION = 256, 300  # a prefill chunk of 256 tokens; decode steps around position 300
+PROMPT_LEN, POSITION, POOL = 256, 300, 512  # a prefill chunk of 256 tokens; decode steps at position 300 of 512
 
 
 def isa_line() -> str:
@@ -60,18 +68,37 @@ def isa_line() -> str:
             + (f" (held by {held})" if held else "") + f"; {torch.get_num_threads()} threads")
 
 
-def compile_bundle(work: Path, name: str, config: dict, dtype: str, split_layers: bool, boundaries: list) -> Path:
+def pool_for(position: int) -> int:
+    """KV pool positions for decode steps at `position`: 512, or the power of two past it."""
+    return max(POOL, 1 << position.bit_length())
+
+
+def compile_bundle(work: Path, name: str, config: dict, dtype: str, split_layers: bool, boundaries: list,
+                   pool: int = POOL) -> Path:
+    config = {**config, "max_position_embeddings": max(config["max_position_embeddings"], pool)}
     recipe = {"name": name, "model": {"config": config, "seed": 0}, "dtype": dtype,
               "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [PROMPT_LEN]}},
-              "kv": {"max_seqs": 1, "max_len": 512},
+              "kv": {"max_seqs": 1, "max_len": pool},
               "regions": {"split_layers": split_layers, "boundaries": boundaries},
               "backend": {"name": "inductor"}, "output": str(work / name)}
     (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
     return compile_recipe(load_recipe(work / f"{name}.yaml"), cache_dir=work / "cache", progress=False).bundle
 
 
-def decode_step() -> Step:
-    return Step("decode", torch.tensor([7]), torch.tensor([POSITION]), torch.tensor([0]))
+def decode_step(position: int = POSITION) -> Step:
+    return Step("decode", torch.tensor([7]), torch.tensor([position]), torch.tensor([0]))
+
+
+def last_level_cache_bytes() -> int:
+    size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    text = size.read_text().strip() if size.exists() else "64M"
+    return int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]]
+
+
+def cache_evictor():
+    """A call that reads and writes twice the last-level cache, leaving none of the model in it."""
+    buffer = torch.zeros(2 * last_level_cache_bytes() // 4)
+    return lambda: buffer.add_(1.0)
 
 
 def prefill_step() -> Step:
@@ -90,10 +117,10 @@ def region_ms(executor: BundleExecutor, step: Step) -> dict:
     return {fingerprint: statistics.median(seconds) * 1e3 for fingerprint, seconds in per_call.items()}
 
 
-def region_table(split: dict):
+def region_table(split: dict, position: int):
     """Host ms each region takes in a decode step and in a 256-token prefill, f32 and bf16 bundles
     split alike, their regions matched by name."""
-    for label, step in (("decode", decode_step()), (f"prefill {PROMPT_LEN}", prefill_step())):
+    for label, step in (("decode", decode_step(position)), (f"prefill {PROMPT_LEN}", prefill_step())):
         rows = {}  # region name -> {dtype: [ms a step over its uses, uses]}
         for dtype, executor in split.items():
             ms = region_ms(executor, step)
@@ -118,22 +145,29 @@ def main():
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--regions", action="store_true", help="per-region host time of split f32 and bf16 bundles")
     parser.add_argument("--whole-graph", action="store_true", help="time bundles of one graph a program")
+    parser.add_argument("--position", type=int, default=POSITION, help="decode steps' position (the pool grows past it)")
+    parser.add_argument("--cold", action="store_true", help="evict the CPU caches before each timed call")
     args = parser.parse_args()
+    pool = pool_for(args.position)
     print(isa_line())
+    print(f"decode at position {args.position} of a {pool}-position KV pool; caches "
+          + (f"evicted before each timed call ({2 * last_level_cache_bytes() >> 20} MiB)" if args.cold else "warm"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in args.configs:
             start = time.perf_counter()
-            executors = {dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}", CONFIGS[name], dtype, not args.whole_graph, []))
+            executors = {dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}", CONFIGS[name], dtype, not args.whole_graph, [],
+                                                              pool))
                          for dtype in ("float32", "bfloat16")}
-            form = "one graph a program" if args.whole_graph else "split per layer"
+            form = ("one graph a program" if args.whole_graph else "split per layer") + (", cold" if args.cold else "")
+            form += f", position {args.position}" if args.position != POSITION else ""
             print(f"\n{name} ({form}): compiled in {time.perf_counter() - start:.0f} s")
             runs = {}
             for dtype, executor in executors.items():
-                runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step())
+                runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step(args.position))
                 runs[f"ttft {dtype}"] = lambda e=executor: e.run(prefill_step())
-            ms = take_turns(runs, repeat=3)
+            ms = take_turns(runs, repeat=3, before=cache_evictor() if args.cold else None)
             tpot, ttft = ms["tpot bfloat16"] / ms["tpot float32"], ms["ttft bfloat16"] / ms["ttft float32"]
             rows.append((f"{name} ({form})", ms, tpot, ttft))
             print(f"  TPOT  f32 {ms['tpot float32']:8.2f} ms  bf16 {ms['tpot bfloat16']:8.2f} ms  bf16/f32 {tpot:.2f} "
@@ -141,8 +175,9 @@ def main():
             print(f"  TTFT  f32 {ms['ttft float32']:8.1f} ms  bf16 {ms['ttft bfloat16']:8.1f} ms  bf16/f32 {ttft:.2f} "
                   f"(target <= 1.2) {'MET' if ttft <= 1.2 else 'MISSED'}")
             if args.regions:
-                region_table({dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}-split", CONFIGS[name], dtype, True, BEFORE_MLP))
-                              for dtype in ("float32", "bfloat16")})
+                region_table({dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}-split", CONFIGS[name], dtype, True, BEFORE_MLP,
+                                                                   pool))
+                              for dtype in ("float32", "bfloat16")}, args.position)
     print("\n| config | TPOT f32 | TPOT bf16 | ratio | TTFT-256 f32 | TTFT-256 bf16 | ratio |")
     print("|---|---|---|---|---|---|---|")
     for name, ms, tpot, ttft in rows:

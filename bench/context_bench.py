@@ -66,9 +66,10 @@ def step_at(executor: BundleExecutor, position: int) -> Step:
     return Step("decode", torch.tensor([7]), torch.tensor([position]), torch.tensor([0]), context=context)
 
 
-def take_turns(runs: dict, repeat: int = STEPS_PER_ROUND) -> dict[str, float]:
+def take_turns(runs: dict, repeat: int = STEPS_PER_ROUND, before=None) -> dict[str, float]:
     """name -> fn(); median ms per call over ROUNDS rounds of `repeat` calls each, the runs taking
-    turns so a noisy stretch of this shared machine falls on all of them alike."""
+    turns so a noisy stretch of this shared machine falls on all of them alike. `before()`, if
+    given, runs ahead of each timed call, untimed."""
     for fn in runs.values():
         for _ in range(WARMUP):
             fn()
@@ -76,6 +77,8 @@ def take_turns(runs: dict, repeat: int = STEPS_PER_ROUND) -> dict[str, float]:
     for _ in range(ROUNDS):
         for name, fn in runs.items():
             for _ in range(repeat):
+                if before:
+                    before()
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)

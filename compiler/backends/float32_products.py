@@ -3,9 +3,10 @@ operands, the result rounded to bf16 once (as a native bf16 GEMM rounds: accumul
 stored bf16). What is stored -- weights, activations between ops, the KV pool -- stays bf16.
 
 `chunk_patterns`, for CPUs without native bf16 math (AVX2; AVX-512 without AVX512_BF16/AMX): a
-product of several rows is one BLAS call on float32 copies of its operands. Emulated, every bf16
-GEMM runs ~9x slower than in float32 (held to AVX2: a 256x2048 @ 2048x2048 linear 68.6 ms bf16,
-7.7 ms f32); the copies cost ~3% of the f32 GEMM at 256 rows.
+product of several rows is a BLAS call on float32 copies of its operands, a piece of the matrix
+at a time where its copy would pass PIECE_BYTES. Emulated, every bf16 GEMM runs ~9x slower than
+in float32 (held to AVX2: a 256x2048 @ 2048x2048 linear 68.6 ms bf16, 7.7 ms f32); the copies
+cost ~3% of the f32 GEMM at 256 rows.
 
 `one_row_patterns`, on every CPU: a one-row product (decode; MLA's per-head absorbed einsums) is
 a multiply-reduce, which inductor compiles to one kernel reading the bf16 weight as stored, two
@@ -36,10 +37,64 @@ def _rows(match) -> int:
     return match.args[-2].meta["val"].shape[-2]  # (the row operand is the one before the matrix)
 
 
-def product(op):
+PIECE_BYTES = 4 << 20  # at most this much float32 copy of a matrix at a time (product)
+
+
+def float32_copy(matrix):
+    """`matrix` in float32, its elements in the order they are stored: a weight's transpose
+    ([K, N] of a [N, K] weight) is converted as the weight and viewed transposed again (BLAS
+    takes either), not written out transposed -- a strided convert ~3x slower."""
+    if matrix.dim() >= 2 and matrix.stride(-2) == 1 and matrix.stride(-1) != 1:
+        return matrix.transpose(-1, -2).float().transpose(-1, -2)
+    return matrix.float()
+
+
+def product(op, batch_step: int, along: str | None = None, step: int = 0):
+    """op (mm, bmm, addmm, baddbmm) of bf16 operands as BLAS calls on float32 copies of them, the
+    result rounded to bf16 once. Where the matrix's float32 copy would pass PIECE_BYTES, a piece
+    of it at a time, each piece's copy made just before its BLAS call: `batch_step` entries of a
+    batched matrix (bmm, baddbmm: grouped experts, heads), and within an entry too big alone,
+    `step` of its columns (`along` "columns") or of its inner dimension ("inner": the pieces'
+    products summed in float32, then rounded once). The copies stay small: in cache, in memory
+    malloc reuses. One float32 copy of a whole matrix -- every expert's weights of an MoE layer,
+    50 MB at ~100M; the KV cache a decode step's heads attend over -- is written to fresh pages
+    each call. Held to AVX2, ~100M, bf16/f32 (bench/bf16_bench.py): 256-token TTFT 1.23-1.51
+    -> 1.02 (the MoE prefill had taken 1.48x float32's time), TPOT at 8000 positions of an
+    8192-position cache 1.07 -> 0.78."""
     def computed_in_float32(*args):
-        return op(*(a.float() for a in args)).to(BF16)
+        *bias, x, matrix = args
+        batched = matrix.dim() == 3
+        entries = matrix.shape[0] if batched else 1
+        K, N = matrix.shape[-2:]
+
+        def piece(t, first):  # t's entries [first, first + batch_step) (a broadcast t whole)
+            return t[first:first + batch_step] if batched and t.dim() == 3 and t.shape[0] == entries else t
+
+        outs = []
+        for first in range(0, entries, batch_step):
+            x32, m, b = piece(x, first).float(), piece(matrix, first), [piece(t, first).float() for t in bias]
+            if along == "columns":
+                y = torch.cat([op(*(t[..., c:c + step] if t.shape[-1] == N else t for t in b), x32, float32_copy(m[..., c:c + step]))
+                               for c in range(0, N, step)], dim=-1)
+            elif along == "inner":
+                y = sum(torch.matmul(x32[..., k:k + step], float32_copy(m[..., k:k + step, :])) for k in range(0, K, step))
+                y = y + b[0] if b else y
+            else:
+                y = op(*b, x32, float32_copy(m))
+            outs.append(y.to(BF16))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
     return computed_in_float32
+
+
+def pieces(matrix) -> tuple[int, str | None, int]:
+    """product's (batch_step, along, step) for `matrix` [.., K, N]: whole where its float32 copy
+    fits PIECE_BYTES; within an entry, the longer of K and N is cut (in multiples of 64)."""
+    K, N = matrix.shape[-2:]
+    entry_bytes = 4 * K * N
+    if entry_bytes <= PIECE_BYTES:
+        return max(1, PIECE_BYTES // entry_bytes), None, 0
+    along, other = ("columns", K) if N >= K else ("inner", N)
+    return 1, along, max(64, PIECE_BYTES // (4 * other) // 64 * 64)
 
 
 def row_product(x32, matrix):
@@ -79,7 +134,7 @@ def _register(op, arity: int):
 
     @register_graph_pattern(pattern, pass_dict=chunk_patterns, extra_check=lambda m: _bf16(*m.args) and _rows(m) > 1)
     def _chunk(match, *args):
-        match.replace_by_example(product(op), list(args))
+        match.replace_by_example(product(op, *pieces(args[-1].meta["val"])), list(args))
 
 
 for _op, _arity in ((aten.mm, 2), (aten.bmm, 2), (aten.addmm, 3), (aten.baddbmm, 3)):

@@ -23,8 +23,7 @@ def host_problem(toolchain: dict) -> str | None:
     if not missing:
         return None
     return (f"the bundle's AOTInductor kernels were built for CPU features {' '.join(wanted)} (toolchain.inductor_isa), "
-            f"and this host lacks "
-            f"{' '.join(missing)} (it has {' '.join(sorted(here)) or 'no vector ISA'}): they would stop at an illegal "
+            f"and this host lacks {' '.join(missing)} (it has {' '.join(sorted(here)) or 'no vector ISA'}): they would stop at an illegal "
             "instruction. Compile the recipe on a host like this one (deepinfer-compile builds for the CPU it runs on; "
             "ATEN_CPU_CAPABILITY=avx2 holds it to AVX2, code every x86-64 server of the last decade runs).")
 

@@ -8,7 +8,7 @@ import torch._inductor.config
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from deepinfer.compiler.backends import inductor
+from deepinfer.compiler.backends import float32_products, inductor
 
 BF16 = torch.bfloat16
 SHAPES = ((1, 96), (16, 96), (320, 96), (256, 96), (1, 4, 32), (4, 32, 48), (320,))  # layer's arguments
@@ -40,8 +40,8 @@ def test_bf16_products_are_computed_in_float32():
     for got, expected in zip(results, in_float32(*args)):
         assert got.dtype == BF16
         torch.testing.assert_close(got, expected, atol=0, rtol=2 ** -7)  # at most the last bf16 bit apart
-    # the 16-row product: one BLAS call, on float32 copies of its operands
-    assert code.count("extern_kernels.mm(") == 1 and "empty_strided_cpu((96, 256), (1, 96), torch.float32)" in code, code
+    # the 16-row product: one BLAS call, on float32 copies of its operands (the weight's in its stored order)
+    assert code.count("extern_kernels.mm(") == 1 and "empty_strided_cpu((256, 96), (96, 1), torch.float32)" in code, code
     # the one-row products: reductions that read the weights as stored, never a float32 copy of one
     assert "extern_kernels.bmm(" not in code and "extern_kernels.addmm(" not in code, code
     for weight in ("(320, 96)", "(96, 320)", "(4, 32, 48)"):
@@ -54,3 +54,31 @@ def test_with_native_bf16_chunk_products_stay_bf16():
     args = tuple(torch.randn(shape).to(BF16) for shape in SHAPES)
     _, (code, *_) = compiled(False, *args)
     assert "extern_kernels.mm(arg2_1, reinterpret_tensor(arg3_1, (96, 256)" in code, code  # the bf16 operands themselves
+
+
+def big_products(xs, w_experts, rows, w_rows, bias, probs, cache):
+    # grouped experts (MoE prompt chunks: each expert's rows times its weight), a linear with a
+    # bias, and a decode step's heads summing a long cache (inner dimension 640)
+    return (torch.einsum("ecd,efd->ecf", xs, w_experts), F.linear(rows, w_rows, bias),
+            torch.einsum("bht,btr->bhr", probs, cache))
+
+
+def test_big_matrices_are_copied_to_float32_a_piece_at_a_time(monkeypatch):
+    """A matrix whose float32 copy passes PIECE_BYTES is multiplied a piece at a time (experts of
+    a batched product; column blocks of a linear; blocks of a long inner dimension, summed), each
+    piece's copy made before its BLAS call: the same products as one call."""
+    monkeypatch.setattr(float32_products, "PIECE_BYTES", 2 * 128 * 96 * 4)  # two experts; 256 columns; 512 inner
+    torch.manual_seed(0)
+    shapes = ((6, 8, 96), (6, 128, 96), (16, 96), (320, 96), (320,), (1, 4, 640), (1, 640, 48))
+    args = tuple(torch.randn(shape).to(BF16) for shape in shapes)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes(True)):
+        results, (code, *_) = run_and_get_code(torch.compile(big_products, dynamic=False, backend="inductor"), *args)
+    expected = tuple(out.to(BF16) for out in big_products(*(t.float() for t in args)))
+    for got, want in zip(results, expected):
+        torch.testing.assert_close(got, want, atol=2 ** -7, rtol=2 ** -7)  # (the inner pieces' sum adds in another order)
+    assert code.count("extern_kernels.bmm(") == 3, code  # 6 experts, two a piece
+    assert code.count("extern_kernels.addmm(") == 2, code  # columns 0-255, 256-319
+    assert code.count("extern_kernels.mm(") == 2, code  # inner 0-511, 512-639 (a batch of one: mm)
+    for whole in ("(6, 96, 128)", "(96, 320)", "(1, 640, 48)"):
+        assert f"empty_strided_cpu({whole}" not in code, code  # no float32 copy of a whole matrix

@@ -12,7 +12,13 @@ cost ~3% of the f32 GEMM at 256 rows.
 a multiply-reduce, which inductor compiles to one kernel reading the bf16 weight as stored, two
 bytes an element, with the row converted to float32 once into a buffer of its own. (inductor's
 own mm decomposition makes the same reduction, but inlines what computes the row -- a norm, its
-rounding to bf16 -- into it, to run again for every weight row.)
+rounding to bf16 -- into it, to run again for every weight row.) So is a product of up to
+FEW_ROWS rows over a matrix of at most FEW_ROWS_MATRIX_BYTES (a decode step's few heads over a
+short KV cache): read once a row, the matrix stays in the core's cache, and the reduction spares
+the BLAS call's packing (native bf16) or float32 copy (AVX2). On an AMD EPYC (Zen 4), 4 heads over
+a 512-position cache: 14-20 us a product as a reduction, 33-73 us as a bf16 GEMM, 26-69 us in
+float32; at 4 rows and a 1 MiB matrix the reduction lost (162 against 70 us); ~12M model's
+bf16/f32 TPOT 1.03 -> 0.70 (native bf16), 0.82 -> 0.70 (held to AVX2).
 
 Element-wise ops, norms and softmax need nothing: inductor computes them in float32 registers
 from bf16 loads.
@@ -35,6 +41,17 @@ def _bf16(*nodes: torch.fx.Node) -> bool:
 
 def _rows(match) -> int:
     return match.args[-2].meta["val"].shape[-2]  # (the row operand is the one before the matrix)
+
+
+FEW_ROWS, FEW_ROWS_MATRIX_BYTES = 4, 512 << 10  # reductions up to these (bf16 bytes); past them BLAS
+
+
+def _reduced(match) -> bool:
+    """One row; or a few rows over a matrix small enough to stay in the core's cache while the
+    reduction reads it once a row (the heads' products over a short KV cache)."""
+    matrix = match.args[-1].meta["val"]
+    rows = _rows(match)
+    return rows == 1 or (rows <= FEW_ROWS and matrix.shape[-2] * matrix.shape[-1] * matrix.element_size() <= FEW_ROWS_MATRIX_BYTES)
 
 
 PIECE_BYTES = 4 << 20  # at most this much float32 copy of a matrix at a time (product)
@@ -98,8 +115,10 @@ def pieces(matrix) -> tuple[int, str | None, int]:
 
 
 def row_product(x32, matrix):
-    """x32 [1, K] @ matrix [K, N] (or batched: [B, 1, K] @ [B, K, N]) as a multiply-reduce over K, float32."""
-    return (x32.transpose(-1, -2) * matrix.float()).sum(-2, keepdim=True)
+    """x32 [R, K] @ matrix [K, N] (or batched: [B, R, K] @ [B, K, N]) as a multiply-reduce over K, float32."""
+    if x32.shape[-2] == 1:
+        return (x32.transpose(-1, -2) * matrix.float()).sum(-2, keepdim=True)
+    return (x32.unsqueeze(-1) * matrix.float().unsqueeze(-3)).sum(-2)  # [.., R, K, N] summed over K
 
 
 def one_row(x32, matrix):
@@ -124,7 +143,7 @@ def float32_row(x: torch.fx.Node) -> torch.fx.Node:
 def _register(op, arity: int):
     pattern = CallFunction(op, *(Arg() for _ in range(arity)))
 
-    @register_graph_pattern(pattern, pass_dict=one_row_patterns, extra_check=lambda m: _bf16(*m.args) and _rows(m) == 1)
+    @register_graph_pattern(pattern, pass_dict=one_row_patterns, extra_check=lambda m: _bf16(*m.args) and _reduced(m))
     def _one_row(match, *args):
         *bias, x, matrix = args
         if bias:
@@ -132,7 +151,7 @@ def _register(op, arity: int):
         else:
             match.replace_by_example(one_row, [float32_row(x), matrix])
 
-    @register_graph_pattern(pattern, pass_dict=chunk_patterns, extra_check=lambda m: _bf16(*m.args) and _rows(m) > 1)
+    @register_graph_pattern(pattern, pass_dict=chunk_patterns, extra_check=lambda m: _bf16(*m.args) and not _reduced(m))
     def _chunk(match, *args):
         match.replace_by_example(product(op, *pieces(args[-1].meta["val"])), list(args))
 

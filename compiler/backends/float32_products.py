@@ -8,7 +8,7 @@ at a time where its copy would pass PIECE_BYTES. Emulated, every bf16 GEMM runs 
 in float32 (held to AVX2: a 256x2048 @ 2048x2048 linear 68.6 ms bf16, 7.7 ms f32); the copies
 cost ~3% of the f32 GEMM at 256 rows.
 
-`one_row_patterns`, on every CPU: a one-row product (decode; MLA's per-head absorbed einsums) is
+`reduction_patterns`, on every CPU: a one-row product (decode; MLA's per-head absorbed einsums) is
 a multiply-reduce, which inductor compiles to one kernel reading the bf16 weight as stored, two
 bytes an element, with the row converted to float32 once into a buffer of its own. (inductor's
 own mm decomposition makes the same reduction, but inlines what computes the row -- a norm, its
@@ -30,7 +30,7 @@ from torch._inductor.pattern_matcher import Arg, CallFunction, PatternMatcherPas
 aten = torch.ops.aten
 BF16 = torch.bfloat16
 
-one_row_patterns = PatternMatcherPass(pass_name="deepinfer_float32_one_row_products")
+reduction_patterns = PatternMatcherPass(pass_name="deepinfer_float32_reduced_products")
 chunk_patterns = PatternMatcherPass(pass_name="deepinfer_float32_chunk_products")
 
 
@@ -46,7 +46,7 @@ def _rows(match) -> int:
 FEW_ROWS, FEW_ROWS_MATRIX_BYTES = 4, 512 << 10  # reductions up to these (bf16 bytes); past them BLAS
 
 
-def _reduced(match) -> bool:
+def _as_reduction(match) -> bool:
     """One row; or a few rows over a matrix small enough to stay in the core's cache while the
     reduction reads it once a row (the heads' products over a short KV cache)."""
     matrix = match.args[-1].meta["val"]
@@ -121,11 +121,11 @@ def row_product(x32, matrix):
     return (x32.unsqueeze(-1) * matrix.float().unsqueeze(-3)).sum(-2)  # [.., R, K, N] summed over K
 
 
-def one_row(x32, matrix):
+def reduced(x32, matrix):
     return row_product(x32, matrix).to(BF16)
 
 
-def one_row_plus_bias(bias, x32, matrix):
+def reduced_plus_bias(bias, x32, matrix):
     """The same with a bias added before the one rounding (addmm, baddbmm)."""
     return (row_product(x32, matrix) + bias.float()).to(BF16)
 
@@ -143,15 +143,15 @@ def float32_row(x: torch.fx.Node) -> torch.fx.Node:
 def _register(op, arity: int):
     pattern = CallFunction(op, *(Arg() for _ in range(arity)))
 
-    @register_graph_pattern(pattern, pass_dict=one_row_patterns, extra_check=lambda m: _bf16(*m.args) and _reduced(m))
-    def _one_row(match, *args):
+    @register_graph_pattern(pattern, pass_dict=reduction_patterns, extra_check=lambda m: _bf16(*m.args) and _as_reduction(m))
+    def _reduce(match, *args):
         *bias, x, matrix = args
         if bias:
-            match.replace_by_example(one_row_plus_bias, [*bias, float32_row(x), matrix])
+            match.replace_by_example(reduced_plus_bias, [*bias, float32_row(x), matrix])
         else:
-            match.replace_by_example(one_row, [float32_row(x), matrix])
+            match.replace_by_example(reduced, [float32_row(x), matrix])
 
-    @register_graph_pattern(pattern, pass_dict=chunk_patterns, extra_check=lambda m: _bf16(*m.args) and not _reduced(m))
+    @register_graph_pattern(pattern, pass_dict=chunk_patterns, extra_check=lambda m: _bf16(*m.args) and not _as_reduction(m))
     def _chunk(match, *args):
         match.replace_by_example(product(op, *pieces(args[-1].meta["val"])), list(args))
 

@@ -93,7 +93,7 @@ class GraphPasses(CustomGraphPass):
         self.bf16_products_in_float32 = bf16_products_in_float32  # (inductor deep-copies the pass: plain data)
 
     def __call__(self, graph: torch.fx.Graph):
-        float32_products.one_row_patterns.apply(graph)
+        float32_products.reduction_patterns.apply(graph)
         if self.bf16_products_in_float32:
             float32_products.chunk_patterns.apply(graph)
         blocked_matmul.patterns.apply(graph)

@@ -42,11 +42,10 @@ class BundleExecutor:
     def __init__(self, bundle: str | Path, rank: int = 0, trust: Trust = Trust()):
         """`trust`: what this deployment accepts (a deploy key the signature must match, native code)."""
         self.bundle = Path(bundle)
-        verify_key = read_key(trust.verify_key_file) if trust.verify_key_file else None
-        self.manifest = m = read_manifest(self.bundle, toolchain_versions(), rank, verify_key)
+        self.manifest, loaders = admit(self.bundle, rank, trust)
+        m = self.manifest
         self.files = BundleFiles(self.bundle, m.files)  # every file is read through this: hashed as read
         self.rank = rank
-        loaders = self._region_loaders(trust)
         weights = tensors_of(self.files.tensor(m.weight_files[rank]), str(self.bundle / m.weight_files[rank]))
         self.state = self._allocate_state()
         # Each state tensor's positions per entry on axis 1 (None: a fixed size, or a legacy pool, taken whole).
@@ -64,22 +63,6 @@ class BundleExecutor:
         self.plans = {key: self._resolve(key, program, functions, fixed[key]) for key, program in m.programs.items()}
         self.host_seconds: dict[str, float] | None = {} if knobs.host_timing() else None
         self.trace_events: list | None = [] if knobs.region_trace_path() else None
-
-    def _region_loaders(self, trust: Trust) -> dict:
-        """Each region's loader module, before anything loads: the deployment's native-code policy
-        is applied to the whole bundle first."""
-        where = f"{self.bundle}/manifest.json"
-        loaders = {fp: backend_module(r.backend, f"{where}: region {fp}") for fp, r in self.manifest.regions.items()}
-        native = sorted({r.backend for fp, r in self.manifest.regions.items() if loaders[fp].NATIVE_CODE})
-        if native and not trust.native_regions:
-            raise BundleError(f"{where}: the bundle's regions carry machine code ({', '.join(native)} backend), and this "
-                              "deployment runs data-only bundles (--native-regions refuse). Compile it with "
-                              "`--backend export`, or allow native regions for a bundle you trust.")
-        for module in set(loaders.values()):
-            problem = module.host_problem(self.manifest.toolchain) if hasattr(module, "host_problem") else None
-            if problem:
-                raise BundleError(f"{where}: rank {self.rank}: {problem}")
-        return loaders
 
     def _allocate_state(self) -> dict[str, torch.Tensor]:
         """Every layer's state pool (the KV cache and what else the model keeps per sequence slot)."""
@@ -213,3 +196,23 @@ def _collective_output(spec: dict, value: tuple[list[int], str], where: str) -> 
         shape = list(shape)
         shape[dim] *= size
     return shape, dtype
+
+
+def admit(bundle: Path, rank: int, trust: Trust):
+    """(manifest, each region's loader module) of a bundle this host and deployment accept, before
+    anything loads: the manifest's signature and toolchain, the deployment's native-code policy
+    over the whole bundle, and each backend's host check (kernels built for CPU features the host lacks)."""
+    verify_key = read_key(trust.verify_key_file) if trust.verify_key_file else None
+    manifest = read_manifest(bundle, toolchain_versions(), rank, verify_key)
+    where = f"{bundle}/manifest.json"
+    loaders = {fp: backend_module(r.backend, f"{where}: region {fp}") for fp, r in manifest.regions.items()}
+    native = sorted({r.backend for fp, r in manifest.regions.items() if loaders[fp].NATIVE_CODE})
+    if native and not trust.native_regions:
+        raise BundleError(f"{where}: the bundle's regions carry machine code ({', '.join(native)} backend), and this "
+                          "deployment runs data-only bundles (--native-regions refuse). Compile it with "
+                          "`--backend export`, or allow native regions for a bundle you trust.")
+    for module in set(loaders.values()):
+        problem = module.host_problem(manifest.toolchain) if hasattr(module, "host_problem") else None
+        if problem:
+            raise BundleError(f"{where}: rank {rank}: {problem}")
+    return manifest, loaders

@@ -34,7 +34,7 @@ def attach_ring(rank: int, n_readers: int, width: int) -> ShmRing:
     path = SHM_DIR / torchrun_ring_name()
     wait = knobs.startup_timeout_s()
     deadline = time.monotonic() + wait
-    while not path.exists():  # under torchrun the leader creates it once it has loaded its shard
+    while not path.exists():  # under torchrun the leader creates it once it has admitted the bundle
         if time.monotonic() > deadline:
             raise DeepinferError(f"rank {rank}: no step ring at {path} after {wait:.0f} s (DEEPINFER_STARTUP_TIMEOUT); "
                                  "is rank 0 running?")

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import DeepinferError
-from .executor import BundleExecutor
+from .executor import BundleExecutor, admit
 from .lifetime import die_with_parent
 from .manifest import peek_world_size, sha256_file
 from .shm_ring import SHM_DIR, ShmRing
@@ -121,10 +121,13 @@ def relay_group(everyone: list[dict]):
 class Leader:
     """The executor the engine drives on rank 0: feeds each step to the followers, then runs it.
 
-    Rank 0 verifies and loads its own shard before any follower starts, so a bad or tampered
-    bundle is refused before anything else runs. Spawned followers get the ring as an inherited
-    descriptor of an already unlinked file and write their output to unnamed temporary files:
-    nothing of the job is left in /dev/shm or the temp dir, however it ends."""
+    Rank 0 admits the bundle (manifest signature, toolchain, native-code policy, host check)
+    before any follower starts, so a bundle this deployment refuses is refused before anything
+    else runs; then every rank loads its shard at once (each hashes the files it reads, and a rank
+    that finds a bad one stops the job), so start-up takes one rank's load, not W. Spawned
+    followers get the ring as an inherited descriptor of an already unlinked file and write their
+    output to unnamed temporary files: nothing of the job is left in /dev/shm or the temp dir,
+    however it ends."""
 
     def __init__(self, bundle: Path, torchrun: bool = False, trust: Trust = Trust(), on_failure=None):
         """`on_failure(message)`, called on the watchdog thread once the followers are killed, replaces
@@ -144,8 +147,7 @@ class Leader:
             world_size = peek_world_size(self.bundle)
             self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world_size))
             torch.set_num_threads(int(self.threads))
-        self.executor = BundleExecutor(self.bundle, 0, trust)
-        self.manifest = self.executor.manifest
+        self.manifest, _ = admit(self.bundle, 0, trust)
         self.world_size = self.manifest.parallel["world_size"]
         self.max_bucket = max_bucket(self.manifest)
         if torchrun:
@@ -161,6 +163,7 @@ class Leader:
                 self._spawn(addr, port, trust)
                 self.watchdog = threading.Thread(target=self._watch, daemon=True)
                 self.watchdog.start()
+            self.executor = BundleExecutor(self.bundle, 0, trust)
             self.relays = join(self.executor, 0, self.world_size, addr, port)
         except BaseException:
             self.shutdown(kill=True)

@@ -64,7 +64,7 @@ def run_bundle(bundle: Path, *extra, timeout=300, env=None) -> subprocess.Comple
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_the_tokens_of_world_size_1_and_of_transformers(bundles, checkpoint, layout):
     hf, _ = checkpoint
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = leftovers()
     result = run_bundle(bundles[layout])
     assert result.returncode == 0, result.stderr[-3000:]
     tokens = [r["token_ids"] for r in json.loads(result.stdout)["results"]]
@@ -72,7 +72,7 @@ def test_every_layout_gives_the_tokens_of_world_size_1_and_of_transformers(bundl
     eos = hf.config.eos_token_id
     expected = [e[: e.index(eos) + 1] if eos in e else e for e in expected]
     assert tokens == expected
-    assert set(os.listdir("/dev/shm")) <= shm_before  # nothing left behind
+    assert leftovers() <= shm_before  # nothing left behind
 
 
 def test_one_region_set_serves_every_rank(bundles):
@@ -145,7 +145,7 @@ def alive(pids: list[int]) -> bool:
 
 
 def test_killed_follower_stops_the_job_within_10_seconds(bundles):
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = leftovers()
     wait = generating_after(bundles["ws4_tp1_ep4"])
     leader, followers = start_long_generation(bundles["ws4_tp1_ep4"], 3)
     try:
@@ -163,11 +163,11 @@ def test_killed_follower_stops_the_job_within_10_seconds(bundles):
     assert "was killed by SIGKILL; the job stops" in stderr and "rank " in stderr
     time.sleep(0.5)
     assert not alive(followers)  # the other followers are gone too
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert leftovers() <= shm_before
 
 
 def test_a_follower_that_stops_responding_stops_the_job_after_the_collective_timeout(bundles):
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = leftovers()
     env = {**os.environ, "DEEPINFER_COLLECTIVE_TIMEOUT": "3"}
     wait = generating_after(bundles["ws2_tp2_ep2"])
     leader, followers = start_long_generation(bundles["ws2_tp2_ep2"], 1, env)
@@ -188,7 +188,7 @@ def test_a_follower_that_stops_responding_stops_the_job_after_the_collective_tim
     assert "stopped responding" in stderr and "DEEPINFER_COLLECTIVE_TIMEOUT" in stderr
     time.sleep(0.5)
     assert not alive(followers)  # killed, though stopped
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert leftovers() <= shm_before
 
 
 @pytest.mark.parametrize("knob", ["DEEPINFER_COLLECTIVE_TIMEOUT", "DEEPINFER_STARTUP_TIMEOUT"])
@@ -212,7 +212,7 @@ def test_a_short_collective_timeout_does_not_bound_start_up(bundles):
 
 
 def leftovers() -> set[str]:
-    """deepinfer files in /dev/shm and the temp dir."""
+    """deepinfer files in /dev/shm and the temp dir (only ours: another test process makes others)."""
     import tempfile
 
     return {p for p in os.listdir("/dev/shm") if p.startswith("deepinfer")} | \

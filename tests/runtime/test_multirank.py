@@ -201,9 +201,28 @@ def test_a_bad_timeout_is_a_clear_error(bundles, knob):
     assert leftovers() <= shm_before
 
 
+def test_a_follower_that_finds_its_shard_altered_stops_the_job(bundles, tmp_path):
+    """Followers load beside rank 0: a weight file only rank 1 reads, altered, stops the job with
+    rank 1's message naming the file, while rank 0 may still be loading."""
+    import shutil
+
+    bundle = tmp_path / "altered"
+    shutil.copytree(bundles["ws2_tp2_ep2"], bundle)
+    shard = bundle / "weights" / "rank-1.safetensors"
+    shard.chmod(0o644)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # (a byte of the last tensor: the header still parses)
+    shard.write_bytes(bytes(data))
+    shm_before = leftovers()
+    result = run_bundle(bundle, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "rank 1" in result.stderr and "rank-1.safetensors: checksum mismatch" in result.stderr, result.stderr[-2000:]
+    assert leftovers() <= shm_before
+
+
 def test_a_short_collective_timeout_does_not_bound_start_up(bundles):
-    # Rank 0 loads its shard before the followers start, so the ranks meet seconds apart: longer
-    # than this collective timeout, which therefore must not apply to the rendezvous.
+    # A follower starts once rank 0 has admitted the bundle and imports torch before it loads, so
+    # the ranks meet seconds apart: about this collective timeout, which must not apply to the rendezvous.
     result = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, "DEEPINFER_COLLECTIVE_TIMEOUT": "2"})
     assert result.returncode == 0, result.stderr[-2000:]
     failed = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, "DEEPINFER_STARTUP_TIMEOUT": "0.5"})

@@ -1,16 +1,23 @@
 import os
+import tempfile
 import time
 
 import pytest
 
 
+def leftovers() -> set[str]:
+    """deepinfer files in /dev/shm and the temp dir (only ours: another test process makes others)."""
+    return {p for p in os.listdir("/dev/shm") if p.startswith("deepinfer")} | \
+        {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deepinfer-ranks")}
+
+
 @pytest.fixture
 def shm_unchanged():
-    """Fails the test if it leaves a deepinfer segment in /dev/shm. (Another test process's rings
-    come and go within its start-up: a new one is given 10 s to go; a leaked one stays.)"""
-    before = set(os.listdir("/dev/shm"))
+    """Fails the test if it leaves a deepinfer file in /dev/shm or the temp dir. (Another test
+    process's rings come and go within its start-up: a new one is given 10 s to go; a leaked one stays.)"""
+    before = leftovers()
     yield
     deadline = time.monotonic() + 10
-    while (left := {n for n in os.listdir("/dev/shm") if n.startswith("deepinfer-")} - before) and time.monotonic() < deadline:
+    while (left := leftovers() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left

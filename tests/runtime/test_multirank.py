@@ -16,6 +16,7 @@ from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import RecipeError, load_recipe
 from tests.conftest import write_recipe
 from tests.models.hf_tiny import hf_greedy, tiny_hf_checkpoint
+from tests.runtime.conftest import leftovers
 
 transformers = pytest.importorskip("transformers")
 
@@ -228,14 +229,6 @@ def test_a_short_collective_timeout_does_not_bound_start_up(bundles):
     failed = run_bundle(bundles["ws2_tp2_ep2"], env={**os.environ, "DEEPINFER_STARTUP_TIMEOUT": "0.5"})
     assert failed.returncode == 1 and "Traceback" not in failed.stderr
     assert "did not all meet" in failed.stderr and "DEEPINFER_STARTUP_TIMEOUT" in failed.stderr
-
-
-def leftovers() -> set[str]:
-    """deepinfer files in /dev/shm and the temp dir (only ours: another test process makes others)."""
-    import tempfile
-
-    return {p for p in os.listdir("/dev/shm") if p.startswith("deepinfer")} | \
-        {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deepinfer-ranks")}
 
 
 @pytest.mark.parametrize("signum, after", [(signal.SIGINT, 0.5), (signal.SIGKILL, 3), (signal.SIGINT, 6)],

@@ -8,22 +8,20 @@ dequantized at compile time to bfloat16, and to float32. (Compile memory: compil
 Batch 1, context 32 + the steps timed; the bundles take turns in rounds (decode_bench.py's
 interleaved_median_ms), so a noisy stretch of this shared machine falls on all of them alike.
 
-Measured here (2 cores, AVX512 without fp8 instructions; the test writer stores the unquantized
-embedding and head in float32, half of this small model's 98M parameters, hence 2.5 bytes a
-parameter in the checkpoint):
+Measured on an AMD EPYC (Zen 4, 2 cores, AVX-512 without fp8 instructions; the test writer stores
+the unquantized embedding and head in float32, half of this small model's 98M parameters, hence
+2.5 bytes a parameter in the checkpoint), kept fp8 decoded by compiler/backends/fp8_decode.py:
 
 | weights | bundle bytes / parameter | decode ms/token | vs fp8 kept |
 |---|---|---|---|
-| fp8 kept | 2.52 | 9.92 | 1.00x |
-| dequantized bf16 | 2.00 | 6.18 | 0.62x |
-| dequantized f32 | 4.00 | 8.79 | 0.89x |
+| fp8 kept | 2.52 | 6.42 | 1.00x |
+| dequantized bf16 | 2.00 | 4.17 | 0.65x |
+| dequantized f32 | 4.00 | 5.73 | 0.89x |
 
 Keeping fp8 is slower here though it reads a quarter of the bytes: x86 before AVX10.2 has no
-e4m3 conversion instruction, so inductor's vectorized convert emulates it with integer ops, and
-that is compute-bound: converting 16M fp8 values alone takes 3.37 ms on 2 cores, as long as the
-whole fused fp8 GEMV (3.43 ms) and 2.2x an f32 GEMV over 4x the bytes (1.55 ms). A fused
-dequant-GEMV that wins needs a cheaper decode: a byte-indexed table permute (AVX512-VBMI vpermb /
-vpermi2w to bf16), or hardware fp8 (AVX10.2, AMX-FP8, Trainium, recent GPUs).
+e4m3 conversion instruction, so every step decodes the codes with integer ops (inductor's own
+convert took 7.29 ms/token; held to AVX2 37.94, fp8_decode.py 19.43: README). A decode that wins
+needs hardware fp8 (AVX10.2, AMX-FP8, Trainium, recent GPUs).
 """
 
 import sys

@@ -9,7 +9,8 @@ Kernels are compiled for the vector ISA of the compiling host (`vector_isa`: ATE
 holds it lower, e.g. to avx2), recorded in the toolchain, which the runtime checks against its
 host. Where that ISA has no native bfloat16 math, a bf16 model's matrix products are computed in
 float32 from its bf16 operands (graph passes float32_products.py; one-row products on every host);
-what is stored stays bf16."""
+what is stored stays bf16. Weights kept fp8 are decoded by integer ops inductor vectorizes
+(fp8_decode.py)."""
 
 import fcntl
 import hashlib
@@ -24,7 +25,7 @@ import torch
 import torch._inductor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.compiler.backends import blocked_matmul, float32_products, gathered_matvec
+from deepinfer.compiler.backends import blocked_matmul, float32_products, fp8_decode, gathered_matvec
 
 EXTENSION = "aoti.pt2"
 
@@ -82,7 +83,7 @@ def compute_note(toolchain: dict, dtype: str, kept_quantized: bool) -> str | Non
     return "; ".join(notes) or None
 
 
-PASSES = (float32_products, blocked_matmul, gathered_matvec)  # modules whose source fingerprints regions
+PASSES = (float32_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
 
 
 class GraphPasses(CustomGraphPass):
@@ -98,6 +99,7 @@ class GraphPasses(CustomGraphPass):
             float32_products.chunk_patterns.apply(graph)
         blocked_matmul.patterns.apply(graph)
         gathered_matvec.patterns.apply(graph)
+        fp8_decode.patterns.apply(graph)  # last: the passes above follow fp8 converts
 
     def uuid(self) -> str:
         return f"{passes_hash()}-{self.bf16_products_in_float32}"

@@ -6,6 +6,7 @@ recipes compile them (--whole-graph: one graph a program).
     .venv/bin/python bench/bf16_bench.py --configs 12m --regions
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python bench/bf16_bench.py   # an AVX-512 host held to AVX2
     .venv/bin/python bench/bf16_bench.py --configs 100m --position 8000 --cold
+    .venv/bin/python bench/bf16_bench.py --configs 100m --batch 8    # decode steps of 8 sequences
 
 The first line names the ISA: the CPU's model and bf16 features, the vector ISA ATen and inductor
 use (ATEN_CPU_CAPABILITY steers both) and oneDNN's cap. Held to AVX2 on an AVX-512 host, inductor
@@ -14,7 +15,8 @@ of this host remain). Targets (issue 26): bf16 / f32 TPOT <= 0.8 (half the weigh
 and 256-token TTFT <= 1.2. The paths take turns in rounds; medians.
 
 Decode steps are at position 300 of a 512-position KV pool; --position P moves them (the pool
-grows to the power of two past P: the heads' products over the cache are the step's biggest).
+grows to the power of two past P: the heads' products over the cache are the step's biggest);
+--batch B makes each decode step B sequences' (B rows through every weight, as a server batches).
 --cold evicts the CPU caches before each timed call (a read and write of twice the last-level
 cache): the weights then come from memory, as in a model much bigger than the cache, or on a host
 whose cache is smaller than this one's -- a CPU with a large L3 holds these small models whole,
@@ -74,19 +76,20 @@ def pool_for(position: int) -> int:
 
 
 def compile_bundle(work: Path, name: str, config: dict, dtype: str, split_layers: bool, boundaries: list,
-                   pool: int = POOL) -> Path:
+                   pool: int = POOL, batch: int = 1) -> Path:
     config = {**config, "max_position_embeddings": max(config["max_position_embeddings"], pool)}
     recipe = {"name": name, "model": {"config": config, "seed": 0}, "dtype": dtype,
-              "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [PROMPT_LEN]}},
-              "kv": {"max_seqs": 1, "max_len": pool},
+              "methods": {"decode": {"buckets": [batch]}, "prefill": {"buckets": [PROMPT_LEN]}},
+              "kv": {"max_seqs": batch, "max_len": pool},
               "regions": {"split_layers": split_layers, "boundaries": boundaries},
               "backend": {"name": "inductor"}, "output": str(work / name)}
     (work / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
     return compile_recipe(load_recipe(work / f"{name}.yaml"), cache_dir=work / "cache", progress=False).bundle
 
 
-def decode_step(position: int = POSITION) -> Step:
-    return Step("decode", torch.tensor([7]), torch.tensor([position]), torch.tensor([0]))
+def decode_step(position: int = POSITION, batch: int = 1) -> Step:
+    """One decode row for each of `batch` sequences, all at `position`."""
+    return Step("decode", torch.arange(batch) + 7, torch.full((batch,), position), torch.arange(batch))
 
 
 def last_level_cache_bytes() -> int:
@@ -117,10 +120,10 @@ def region_ms(executor: BundleExecutor, step: Step) -> dict:
     return {fingerprint: statistics.median(seconds) * 1e3 for fingerprint, seconds in per_call.items()}
 
 
-def region_table(split: dict, position: int):
+def region_table(split: dict, position: int, batch: int):
     """Host ms each region takes in a decode step and in a 256-token prefill, f32 and bf16 bundles
     split alike, their regions matched by name."""
-    for label, step in (("decode", decode_step(position)), (f"prefill {PROMPT_LEN}", prefill_step())):
+    for label, step in (("decode", decode_step(position, batch)), (f"prefill {PROMPT_LEN}", prefill_step())):
         rows = {}  # region name -> {dtype: [ms a step over its uses, uses]}
         for dtype, executor in split.items():
             ms = region_ms(executor, step)
@@ -147,6 +150,7 @@ def main():
     parser.add_argument("--whole-graph", action="store_true", help="time bundles of one graph a program")
     parser.add_argument("--position", type=int, default=POSITION, help="decode steps' position (the pool grows past it)")
     parser.add_argument("--cold", action="store_true", help="evict the CPU caches before each timed call")
+    parser.add_argument("--batch", type=int, default=1, help="sequences a decode step advances")
     args = parser.parse_args()
     pool = pool_for(args.position)
     print(isa_line())
@@ -158,14 +162,15 @@ def main():
         for name in args.configs:
             start = time.perf_counter()
             executors = {dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}", CONFIGS[name], dtype, not args.whole_graph, [],
-                                                              pool))
+                                                              pool, args.batch))
                          for dtype in ("float32", "bfloat16")}
             form = ("one graph a program" if args.whole_graph else "split per layer") + (", cold" if args.cold else "")
             form += f", position {args.position}" if args.position != POSITION else ""
+            form += f", decode batch {args.batch}" if args.batch != 1 else ""
             print(f"\n{name} ({form}): compiled in {time.perf_counter() - start:.0f} s")
             runs = {}
             for dtype, executor in executors.items():
-                runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step(args.position))
+                runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step(args.position, args.batch))
                 runs[f"ttft {dtype}"] = lambda e=executor: e.run(prefill_step())
             ms = take_turns(runs, repeat=3, before=cache_evictor() if args.cold else None)
             tpot, ttft = ms["tpot bfloat16"] / ms["tpot float32"], ms["ttft bfloat16"] / ms["ttft float32"]
@@ -176,8 +181,8 @@ def main():
                   f"(target <= 1.2) {'MET' if ttft <= 1.2 else 'MISSED'}")
             if args.regions:
                 region_table({dtype: BundleExecutor(compile_bundle(work, f"{name}-{dtype}-split", CONFIGS[name], dtype, True, BEFORE_MLP,
-                                                                   pool))
-                              for dtype in ("float32", "bfloat16")}, args.position)
+                                                                   pool, args.batch))
+                              for dtype in ("float32", "bfloat16")}, args.position, args.batch)
     print("\n| config | TPOT f32 | TPOT bf16 | ratio | TTFT-256 f32 | TTFT-256 bf16 | ratio |")
     print("|---|---|---|---|---|---|---|")
     for name, ms, tpot, ttft in rows:

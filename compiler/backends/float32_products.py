@@ -54,7 +54,12 @@ def _as_reduction(match) -> bool:
     return rows == 1 or (rows <= FEW_ROWS and matrix.shape[-2] * matrix.shape[-1] * matrix.element_size() <= FEW_ROWS_MATRIX_BYTES)
 
 
-PIECE_BYTES = 4 << 20  # at most this much float32 copy of a matrix at a time (product)
+# At most this much float32 copy of a matrix at a time (product). 8 MiB rather than 4: pieces of
+# two ~100M experts (3 MiB each) a BLAS call, not one. On the shared EPYC, one BLAS call per expert
+# ran 1.4-1.7x slower in stretches of tens of seconds (one bmm over them all did not: the calls'
+# own cost); held to AVX2, ~100M 256-token prefill, bf16/f32 alternating in one process: 4 MiB
+# 0.99-1.04, in those stretches 1.36-1.43; 8 MiB 1.04-1.06, in them 1.07-1.20.
+PIECE_BYTES = 8 << 20
 
 
 def float32_copy(matrix):

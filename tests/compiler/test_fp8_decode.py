@@ -2,23 +2,15 @@
 one float32 product, exactly as torch converts them (every code: normal, subnormal, zero, NaN)."""
 
 import torch
-import torch._inductor.config
-from torch._inductor.utils import run_and_get_code
 
-from deepinfer.compiler.backends import inductor
+from tests.compiler.test_gathered_matvec import compiled_code
 
 FP8 = torch.float8_e4m3fn
 
 
-def compiled(fn, *args):
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes()):
-        return run_and_get_code(torch.compile(fn, dynamic=False, backend="inductor"), *args)
-
-
 def test_every_fp8_code_decodes_exactly():
     codes = torch.arange(256, dtype=torch.uint8).repeat(4).view(FP8)  # 1024: the vectorized loop, not only its tail
-    got, (code, *_) = compiled(lambda c: (c.float(), c.to(torch.bfloat16)), codes)
+    got, code = compiled_code(lambda c: (c.float(), c.to(torch.bfloat16)), codes)
     for value, dtype in zip(got, (torch.float32, torch.bfloat16)):
         torch.testing.assert_close(value, codes.to(dtype), atol=0, rtol=0, equal_nan=True)
     assert "c10::bit_cast<int8_t>" in code, code  # the codes were read as bytes: the pass replaced the convert
@@ -31,5 +23,5 @@ def test_a_dequantized_fp8_product_matches_torch():
     def product(x, weight, scales):  # models/quantization.py's dequantize, 128-column scale blocks
         return x @ (weight.float() * scales.repeat_interleave(128, 1)).t()
 
-    got, _ = compiled(product, x, weight, scales)
+    got, _ = compiled_code(product, x, weight, scales)
     torch.testing.assert_close(got, product(x, weight, scales), atol=1e-5, rtol=1e-5)

@@ -4,6 +4,7 @@ of transformers on the same weights; a dead follower stops the job fast and leav
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,8 +206,6 @@ def test_a_bad_timeout_is_a_clear_error(bundles, knob):
 def test_a_follower_that_finds_its_shard_altered_stops_the_job(bundles, tmp_path):
     """Followers load beside rank 0: a weight file only rank 1 reads, altered, stops the job with
     rank 1's message naming the file, while rank 0 may still be loading."""
-    import shutil
-
     bundle = tmp_path / "altered"
     shutil.copytree(bundles["ws2_tp2_ep2"], bundle)
     shard = bundle / "weights" / "rank-1.safetensors"

@@ -52,6 +52,10 @@ CONFIGS = {
     "100m": BASE_100M,  # decode_bench's ~97M: 1 dense + 2 MoE layers of 16 experts, vocab 32000
 }
 PROMPT_LEN, POSITION, POOL = 256, 300, 512  # a prefill chunk of 256 tokens; decode steps at position 300 of 512
+# Rounds of 3 calls a path: this many spread the timing over a minute or more. Some hosts have
+# stretches of tens of seconds in which many separate BLAS calls run 1.4-1.7x slower (the bf16
+# prefill makes more of them than the f32 one); 8 rounds could all fall in one such stretch.
+ROUNDS = 40
 
 
 def isa_line() -> str:
@@ -172,7 +176,7 @@ def main():
             for dtype, executor in executors.items():
                 runs[f"tpot {dtype}"] = lambda e=executor: e.run(decode_step(args.position, args.batch))
                 runs[f"ttft {dtype}"] = lambda e=executor: e.run(prefill_step())
-            ms = take_turns(runs, repeat=3, before=cache_evictor() if args.cold else None)
+            ms = take_turns(runs, repeat=3, before=cache_evictor() if args.cold else None, rounds=ROUNDS)
             tpot, ttft = ms["tpot bfloat16"] / ms["tpot float32"], ms["ttft bfloat16"] / ms["ttft float32"]
             rows.append((f"{name} ({form})", ms, tpot, ttft))
             print(f"  TPOT  f32 {ms['tpot float32']:8.2f} ms  bf16 {ms['tpot bfloat16']:8.2f} ms  bf16/f32 {tpot:.2f} "

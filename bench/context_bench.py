@@ -66,15 +66,15 @@ def step_at(executor: BundleExecutor, position: int) -> Step:
     return Step("decode", torch.tensor([7]), torch.tensor([position]), torch.tensor([0]), context=context)
 
 
-def take_turns(runs: dict, repeat: int = STEPS_PER_ROUND, before=None) -> dict[str, float]:
-    """name -> fn(); median ms per call over ROUNDS rounds of `repeat` calls each, the runs taking
+def take_turns(runs: dict, repeat: int = STEPS_PER_ROUND, before=None, rounds: int = ROUNDS) -> dict[str, float]:
+    """name -> fn(); median ms per call over `rounds` rounds of `repeat` calls each, the runs taking
     turns so a noisy stretch of this shared machine falls on all of them alike. `before()`, if
     given, runs ahead of each timed call, untimed."""
     for fn in runs.values():
         for _ in range(WARMUP):
             fn()
     times = {name: [] for name in runs}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, fn in runs.items():
             for _ in range(repeat):
                 if before:

@@ -17,6 +17,7 @@ from .backends import backend_module
 from .collectives import run_collective
 from .errors import BundleError
 from .files import BundleFiles
+from .host_memory import keep_freed_memory
 from .manifest import read_key, read_manifest
 from .step import STEP_FIELDS, Step, copy_state
 from .trust import Trust
@@ -41,6 +42,7 @@ class _Plan:
 class BundleExecutor:
     def __init__(self, bundle: str | Path, rank: int = 0, trust: Trust = Trust()):
         """`trust`: what this deployment accepts (a deploy key the signature must match, native code)."""
+        keep_freed_memory()  # the next step reuses what this one frees, instead of faulting fresh pages in
         self.bundle = Path(bundle)
         self.manifest, loaders = admit(self.bundle, rank, trust)
         m = self.manifest

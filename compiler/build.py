@@ -248,7 +248,7 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
         if in_process:
             backend.compile(export_region(graph_module), the_plan.backend_options, out_file)
             artifacts[fp] = cache.put(fp, out_file, {"backend": recipe.backend, "seconds": 0.0})
-            cache.prune_work(fp)
+            cache.prune_work(work)
             continue
         torch.export.save(export_region(graph_module), work / "region.ep.pt2")
         todo.append(Job(fp, work / "region.ep.pt2", out_file, recipe.backend, the_plan.backend_options, work / "compile.log"))
@@ -257,7 +257,7 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
         if result.ok:
             name = result.job.name
             artifacts[name] = cache.put(name, result.job.out_file, {"backend": recipe.backend, "seconds": round(result.seconds, 2)})
-            cache.prune_work(name)
+            cache.prune_work(result.job.log_file.parent)
 
     results = run_jobs(todo, jobs, timeout, progress, on_done=store, executor=executor, toolchain=the_plan.toolchain)
     failures = [r for r in results if not r.ok]

@@ -63,11 +63,11 @@ class CompileCache:
         shutil.rmtree(aside, ignore_errors=True)
 
     def work_dir(self, fingerprint: str) -> Path:
-        """Scratch space for a region's compile: its graph file and log. Removed once the region is
-        cached (prune_work); kept after a failure, for the reproduce command."""
-        path = self.root / "work" / fingerprint
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        """Scratch space for one compile of a region: its graph file and log, in a directory of its
+        own (two compiles sharing this cache may compile one region at once). Removed once the
+        region is cached (prune_work); kept after a failure, for the reproduce command."""
+        (self.root / "work").mkdir(exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{fingerprint}.", dir=self.root / "work"))
 
-    def prune_work(self, fingerprint: str):
-        shutil.rmtree(self.root / "work" / fingerprint, ignore_errors=True)
+    def prune_work(self, work: Path):
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Session fixtures: compiled tiny bundles shared by every test (AOTInductor costs ~15 s a region)."""
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,10 @@ def compile_tiny_v4(directory, **changes):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
+    """The session's compile cache; under pytest-xdist one for all its test processes (the parent
+    of their temp dirs is this run's), so a region one of them compiled is a hit for the other."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.getbasetemp().parent / "compile-cache"
     return tmp_path_factory.mktemp("compile-cache")
 
 

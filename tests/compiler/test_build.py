@@ -57,10 +57,11 @@ def test_unchanged_recipe_hits_the_cache_and_a_new_bucket_compiles_only_its_regi
     the_plan = plan(wider)
     new = {fp for fp in the_plan.regions if CompileCache(cache_dir).get(fp) is None}
     # Only decode/2's regions (embed, dense, MoE, head) can be new; other tests of this session
-    # may have compiled the same structures already (fingerprints ignore weight values).
+    # may have compiled the same structures already (fingerprints ignore weight values), the
+    # other test process may meanwhile too.
     assert new <= {step.region for step in the_plan.programs["decode/2"].steps}
     summary = compile_recipe(wider, cache_dir=cache_dir, progress=False)
-    assert (summary.compiled, summary.cache_hits) == (len(new), 20 - len(new))
+    assert summary.compiled <= len(new) and summary.compiled + summary.cache_hits == 20
 
 
 def test_cache_entries_are_whole_or_absent(tmp_path):

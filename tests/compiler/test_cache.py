@@ -34,6 +34,16 @@ def test_a_damaged_entry_is_dropped(tmp_path):
     assert not (tmp_path / "regions" / "abc").exists() and list((tmp_path / "regions").iterdir()) == []
 
 
+def test_two_compiles_of_one_region_sharing_a_cache_keep_their_own_scratch(tmp_path):
+    """Two compilers on one cache (the default ~/.cache/deepinfer) may compile one region at once:
+    the first to finish prunes its scratch, not the other's graph file and log."""
+    cache = CompileCache(tmp_path)
+    first, second = cache.work_dir("abc"), cache.work_dir("abc")
+    (second / "region.ep.pt2").write_bytes(b"graph")
+    cache.prune_work(first)
+    assert not first.exists() and (second / "region.ep.pt2").read_bytes() == b"graph"
+
+
 def test_a_tampered_cache_entry_is_recompiled_not_shipped(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path, "small", methods=SMALL, backend={"name": "export"}))
     cache = tmp_path / "cache"

@@ -51,7 +51,9 @@ def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], w
         write_weights(staging / "weights")
         for name, content in extra_files.items():
             (staging / name).write_bytes(content)
-        manifest.files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+        written = [p for p in sorted(staging.rglob("*")) if p.is_file()]
+        manifest.files = {str(p.relative_to(staging)): sha256_file(p) for p in written}
+        manifest.sizes = {str(p.relative_to(staging)): p.stat().st_size for p in written}
         (staging / "manifest.json").write_text(manifest.to_json())
         if sign_key is not None:
             sign(staging, sign_key)

@@ -46,7 +46,7 @@ class BundleExecutor:
         self.bundle = Path(bundle)
         self.manifest, loaders = admit(self.bundle, rank, trust)
         m = self.manifest
-        self.files = BundleFiles(self.bundle, m.files)  # every file is read through this: hashed as read
+        self.files = BundleFiles(self.bundle, m.files, m.sizes)  # every file is read through this: hashed as read
         self.rank = rank
         weights = tensors_of(self.files.tensor(m.weight_files[rank]), str(self.bundle / m.weight_files[rank]))
         self.state = self._allocate_state()

@@ -17,6 +17,7 @@ import torch
 from .errors import BundleError
 
 CHUNK = 1 << 20
+MAX_FILE_BYTES = 1 << 40
 
 
 BUNDLE_ADVICE = "A bundle holds its own regular files: copy the bundle directory again, or recompile it."
@@ -49,9 +50,14 @@ def read_regular(path: Path, max_bytes: int, follow_symlinks: bool = False, advi
     return data
 
 
-def read_verified(path: Path, sha256: str, max_bytes: int = 1 << 40) -> torch.Tensor:
-    """The file as a uint8 tensor (one buffer, no copy), if its bytes hash to `sha256`."""
-    fd, size = _open_regular(path, max_bytes, follow_symlinks=False)
+def read_verified(path: Path, sha256: str, size: int) -> torch.Tensor:
+    """The file as a uint8 tensor (one buffer, no copy), if it is `size` bytes (checked before
+    anything is allocated or read: a file grown to a terabyte costs nothing) that hash to `sha256`."""
+    fd, found = _open_regular(path, MAX_FILE_BYTES, follow_symlinks=False)
+    if found != size:
+        os.close(fd)
+        raise BundleError(f"{path}: {found} bytes, but the manifest says {size}: the file is corrupt or was modified "
+                          "(a copy cut short?). Recompile the bundle or copy it again.")
     buffer = torch.empty(size, dtype=torch.uint8)
     view = memoryview(buffer.numpy())
     digest = hashlib.sha256()
@@ -70,15 +76,15 @@ def read_verified(path: Path, sha256: str, max_bytes: int = 1 << 40) -> torch.Te
 
 
 class BundleFiles:
-    """A bundle's files for use, by their path in the manifest: each read once and compared with
-    the manifest's sha256 as it is read."""
+    """A bundle's files for use, by their path in the manifest: each read once, its size compared
+    with the manifest's before it is read and its sha256 as it is read."""
 
-    def __init__(self, bundle: Path, sha256: dict[str, str]):
-        self.bundle, self.sha256 = Path(bundle), sha256
+    def __init__(self, bundle: Path, sha256: dict[str, str], sizes: dict[str, int]):
+        self.bundle, self.sha256, self.sizes = Path(bundle), sha256, sizes
 
     def tensor(self, rel: str) -> torch.Tensor:
         """uint8 [file bytes] (the weights: viewed in place, never copied)."""
-        return read_verified(self.bundle / rel, self.sha256[rel])
+        return read_verified(self.bundle / rel, self.sha256[rel], self.sizes[rel])
 
     def bytes(self, rel: str) -> bytes:
         return self.tensor(rel).numpy().tobytes()

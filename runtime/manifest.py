@@ -11,9 +11,11 @@ Compatibility rules (as ExecuTorch's schema): add fields at the end with a defau
 a field or change its meaning; any other change bumps SCHEMA_VERSION, and a runtime refuses a
 bundle whose version it does not know.
 
-Integrity: `files` holds the sha256 of every file but the manifest; `checksum` is the sha256 of
-the manifest's own canonical JSON without that field. Any flipped byte is caught at load: every
-file is hashed as it is read for use (`files.BundleFiles`), so what was checked is what runs.
+Integrity: `files` holds the sha256 of every file but the manifest, `sizes` its byte size;
+`checksum` is the sha256 of the manifest's own canonical JSON without that field. Any flipped byte
+is caught at load: every file's size is checked before it is read (a grown file is never read
+whole) and it is hashed as it is read for use (`files.BundleFiles`), so what was checked is what
+runs.
 """
 
 import dataclasses
@@ -27,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .errors import BundleError
-from .files import read_regular
+from .files import MAX_FILE_BYTES, read_regular
 from .step import program_key
 
 MAGIC = "deepinfer-bundle"
@@ -121,6 +123,7 @@ class Manifest:
     contexts: dict = field(default_factory=dict)  # method -> sorted context buckets (ending at kv.max_len), when it has them
     speculative: int = 0  # draft tokens a decode step verifies (MTP speculative decoding; 0: off)
     prompt_logprobs: int = 0  # top tokens a score program returns per prompt position (0: no score programs)
+    sizes: dict[str, int] = field(default_factory=dict)  # relative path -> bytes, for every file in `files`
 
     def state_tensors(self) -> dict[str, TensorSpec]:
         """Every state tensor the runtime allocates, by the name programs use."""
@@ -269,6 +272,9 @@ def check_manifest(m: Manifest, where: str):
     for rel in referenced:
         if rel not in m.files:
             bad(f"{rel} is used but has no sha256 in files")
+    if set(m.sizes) != set(m.files) or not all(0 <= n <= MAX_FILE_BYTES for n in m.sizes.values()):
+        bad("sizes must give the byte size (up to 1 TiB) of every file in files, and only those (a bundle from a "
+            "deepinfer-compile before sizes were recorded: recompile it)")
 
 
 def _inside(rel: str) -> bool:

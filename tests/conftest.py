@@ -50,6 +50,25 @@ def compile_tiny_v4(directory, **changes):
     return compile_recipe(load_recipe(directory / "v4.yaml"), cache_dir=directory / "cache", progress=False).bundle
 
 
+def pjrt_recipe(directory: Path, name: str, overflow: str) -> Path:
+    """The tiny recipe through the pjrt backend (jaxlib's CPU client), prefill chunks of 64 (the
+    grouped MoE form, with its overflow passes as `overflow` says) and decode batches of 4."""
+    return write_recipe(directory, name, model={"expert_overflow": overflow}, backend={"name": "pjrt", "options": {}},
+                        methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [64]}})
+
+
+@pytest.fixture(scope="session")
+def pjrt_bundle(tmp_path_factory, cache_dir):
+    """The tiny recipe's pjrt bundle (pjrt_recipe, overflow passes always run), once a session."""
+    pytest.importorskip("torch_mlir")
+    pytest.importorskip("jax")
+    from deepinfer.compiler.build import compile_recipe
+    from deepinfer.compiler.recipe import load_recipe
+
+    work = tmp_path_factory.mktemp("pjrt")
+    return compile_recipe(load_recipe(pjrt_recipe(work, "tiny-pjrt", "always")), cache_dir=cache_dir, progress=False).bundle
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """The session's compile cache; under pytest-xdist one for all its test processes (the parent

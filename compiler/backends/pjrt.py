@@ -110,7 +110,7 @@ REWRITES = {torch.ops.aten.topk.default: _sorted_topk, torch.ops.aten.one_hot.de
 def compile(program, options: dict, out):
     from torch_mlir import fx
 
-    from deepinfer.runtime.backends.pjrt import compile_stablehlo, pjrt_client
+    from deepinfer.runtime.backends.pjrt import compile_stablehlo, pjrt_client, plugin_version
 
     _refuse_control_flow(program)
     table = torch.export.default_decompositions()
@@ -125,7 +125,7 @@ def compile(program, options: dict, out):
     client = pjrt_client(options["platform"])
     executable = client.serialize_executable(compile_stablehlo(client, text))
     save_file({"executable": np.frombuffer(executable, np.uint8), "stablehlo": np.frombuffer(text.encode(), np.uint8)},
-              str(out), metadata={"platform": options["platform"], "platform_version": client.platform_version,
+              str(out), metadata={"platform": options["platform"], "platform_version": plugin_version(client),
                                   "mutated_inputs": json.dumps(mutated)})
 
 

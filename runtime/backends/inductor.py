@@ -6,6 +6,7 @@ import torch
 import torch._inductor
 from torch._inductor.cpu_vec_isa import x86_isa_checker
 
+from ..errors import BundleError
 from . import private_copy
 
 NATIVE_CODE = True
@@ -30,7 +31,11 @@ def host_problem(toolchain: dict) -> str | None:
 
 def load(data: bytes, region, where: str):
     with private_copy(data, ".pt2") as path:
-        runner = torch._inductor.aoti_load_package(str(path))
+        try:
+            runner = torch._inductor.aoti_load_package(str(path))
+        except Exception as err:  # (a zip archive it cannot read, a package without a model)
+            raise BundleError(f"{where}: not an AOTInductor package this runtime can load ({type(err).__name__}: "
+                              f"{str(err).strip()[:200]}). Recompile the bundle.") from None
     # The package's __call__ re-parses its pytree specs from JSON on every call; regions take and
     # return flat tensor lists, so the loader's boxed_run is called directly (it consumes its list).
     run = runner.loader.boxed_run

@@ -2,12 +2,16 @@
 jaxlib's XLA CPU client here, Neuron's libneuronxla on Trainium, jax's CUDA plugin on NVIDIA
 GPUs: one runtime, another plugin (the `xla` extra: jax and jaxlib).
 
-The file is safetensors (data: nothing in it is unpickled): tensor `executable`, the serialized
-executable (machine code for its platform: a native region); tensor `stablehlo`, the portable
-program text any PJRT platform can compile again; metadata `platform`, `platform_version` (the
-plugin's), `mutated_inputs` (JSON: the input index of each leading output, the state a region
-updates). An executable for another platform or plugin version is refused, or with
-DEEPINFER_PJRT_RECOMPILE=1 compiled here from the StableHLO.
+The file is safetensors: tensor `executable`, the serialized executable -- MACHINE CODE for its
+platform, run as it is: a pjrt region is code, and only a bundle you built or whose signature you
+verify (--verify-key) is safe to load; tensor `stablehlo`, the portable program text any PJRT
+platform can compile again; metadata (strings) `platform`, `platform_version` (the plugin's, and
+the jaxlib that serialized it), `mutated_inputs` (JSON: the input index of each leading output,
+the state a region updates). An executable for another platform, plugin or jaxlib is refused, or
+with DEEPINFER_PJRT_RECOMPILE=1 compiled here from the StableHLO. Before a region is accepted, the
+program's own signature (parameters, results and which state buffers they alias, read from its
+HLO) must be the manifest's region specs: a region file of another region, or one whose
+executable and StableHLO disagree, is refused at load, not at its first step.
 
 On the CPU, tensors cross between torch and PJRT by DLPack, without copies where XLA can use the
 memory as it is (contiguous, 64-byte aligned: activations, step inputs, the state pool). A tensor
@@ -27,7 +31,9 @@ buffer of its own), so such a view takes the copy path (its pool tensor's buffer
 back to torch) -- context buckets on this backend copy their state each call."""
 
 import json
+import re
 import weakref
+from importlib.metadata import version
 
 import jax
 import ml_dtypes
@@ -58,26 +64,41 @@ def compile_stablehlo(client, text: str):
     return client.compile_and_load(text, client.devices()[:1], xla_client.CompileOptions())
 
 
+def plugin_version(client) -> str:
+    """What an executable is tied to: the plugin's version and the jaxlib that serializes it (the
+    CPU client's platform_version is just "cpu", whatever the jaxlib)."""
+    return f"{client.platform_version} (jaxlib {version('jaxlib')})"
+
+
+def host_problem(toolchain: dict) -> str | None:
+    """The jaxlib the bundle was compiled with, where it is not this host's (its executables'
+    format and its StableHLO's dialect are tied to it), unless DEEPINFER_PJRT_RECOMPILE=1."""
+    wanted, here = toolchain.get("jaxlib"), version("jaxlib")
+    if wanted == here or knobs.pjrt_recompile():
+        return None
+    return (f"the bundle's pjrt regions were compiled with jaxlib {wanted} (toolchain.jaxlib), and this host has jaxlib "
+            f"{here}. Install jaxlib=={wanted}, set DEEPINFER_PJRT_RECOMPILE=1 to compile the regions' StableHLO here "
+            "at load, or recompile the bundle on this host.")
+
+
 def load(data: bytes, region, where: str):
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    meta = header_of(buffer, where)[0].get("__metadata__") or {}
-    parts = tensors_of(buffer, where)
-    try:
-        platform, version, mutated = meta["platform"], meta["platform_version"], json.loads(meta["mutated_inputs"])
-        executable, stablehlo = parts["executable"].numpy().tobytes(), parts["stablehlo"].numpy().tobytes().decode()
-    except (KeyError, ValueError, UnicodeDecodeError):
-        raise BundleError(f"{where}: not a PJRT region file (metadata {sorted(meta)}). Recompile the bundle.") from None
-    if not (isinstance(mutated, list) and all(type(i) is int and 0 <= i < len(region.inputs) for i in mutated)):
-        raise BundleError(f"{where}: mutated_inputs {mutated!r} does not fit the region's inputs. Recompile the bundle.")
+    platform, compiled_for, mutated, executable, stablehlo = _read_region_file(data, region, where)
     client = pjrt_client(platform, where)
-    if client.platform_version != version:
-        if not knobs.pjrt_recompile():
-            raise BundleError(f"{where}: compiled for PJRT platform {platform!r} version {version!r}, but this host's "
-                              f"plugin is {client.platform_version!r}. Set DEEPINFER_PJRT_RECOMPILE=1 to compile the "
-                              "bundle's StableHLO here at load, or recompile the bundle on a host like this one.")
-        program = compile_stablehlo(client, stablehlo)
-    else:
-        program = client.deserialize_executable(executable, client.devices()[:1], xla_client.CompileOptions())
+    here = plugin_version(client)
+    if here != compiled_for and not knobs.pjrt_recompile():
+        raise BundleError(f"{where}: compiled for PJRT platform {platform!r} version {compiled_for!r}, but this host's "
+                          f"plugin is {here!r}. Set DEEPINFER_PJRT_RECOMPILE=1 to compile the bundle's StableHLO "
+                          "here at load, or recompile the bundle on a host like this one.")
+    try:
+        if here != compiled_for:
+            program = compile_stablehlo(client, stablehlo.decode())
+        else:
+            program = client.deserialize_executable(executable, client.devices()[:1], xla_client.CompileOptions())
+    except Exception as err:  # XLA's parsers say what they could not read; nothing of the file ran
+        what = "StableHLO does not compile" if here != compiled_for else "executable cannot be deserialized"
+        raise BundleError(f"{where}: its {what} ({type(err).__name__}: {_first_line(err)}): the file is corrupt or "
+                          "not a region for this plugin. Recompile the bundle.") from None
+    _check_signature(program, region, mutated, where)
     n_mutated = len(mutated)
     by_dlpack = platform in DLPACK_PLATFORMS
     to_torch = torch.from_dlpack if by_dlpack else _from_host
@@ -93,6 +114,85 @@ def load(data: bytes, region, where: str):
 
 
 DLPACK_PLATFORMS = ("cpu",)  # where torch's CPU tensors and PJRT arrays can share memory
+
+
+def _read_region_file(data: bytes, region, where: str):
+    """(platform, platform_version, mutated_inputs, executable bytes, StableHLO bytes) of a region
+    file, every field of the type the compiler writes (else a BundleError)."""
+    def refuse(what: str):
+        raise BundleError(f"{where}: not a PJRT region file ({what}). Recompile the bundle.")
+
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    meta = header_of(buffer, where)[0].get("__metadata__")
+    parts = tensors_of(buffer, where)
+    keys = ("platform", "platform_version", "mutated_inputs")
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), str) for k in keys):
+        refuse(f"its metadata must give the strings {list(keys)}, not {str(meta)[:80]}")
+    for name in ("executable", "stablehlo"):
+        if name not in parts or parts[name].dtype != torch.uint8 or parts[name].dim() != 1:
+            refuse(f"no byte tensor {name!r}")
+    platform = meta["platform"]
+    if not platform.isidentifier():
+        refuse(f"platform {platform[:40]!r} is not a PJRT platform name (cpu, cuda, neuron)")
+    try:
+        mutated = json.loads(meta["mutated_inputs"])
+    except (ValueError, RecursionError):
+        mutated = meta["mutated_inputs"][:40]
+    if (not isinstance(mutated, list) or not all(type(i) is int and 0 <= i < len(region.inputs) for i in mutated)
+            or len(set(mutated)) != len(mutated)):
+        raise BundleError(f"{where}: mutated_inputs {mutated!r} does not fit the region's inputs. Recompile the bundle.")
+    return platform, meta["platform_version"], mutated, parts["executable"].numpy().tobytes(), parts["stablehlo"].numpy().tobytes()
+
+
+def _check_signature(program, region, mutated: list[int], where: str):
+    """The compiled program takes the manifest's inputs and returns the updated state (aliasing the
+    inputs `mutated` names, in order) then the manifest's outputs, each of the spec's shape and
+    dtype: read from its HLO module, before anything runs."""
+    (module,) = program.hlo_modules()
+    shape = xla_client.XlaComputation(module.as_serialized_hlo_module_proto()).program_shape()
+    results = shape.result_shape()
+    got_in = [_spec(s) for s in shape.parameter_shapes()]
+    got_out = [_spec(s) for s in (results.tuple_shapes() if results.is_tuple() else [results])]
+    wanted_in = [(list(s.shape), s.dtype) for s in region.inputs]
+    wanted_out = [wanted_in[i] for i in mutated] + [(list(s.shape), s.dtype) for s in region.outputs]
+    checks = (("input", got_in, wanted_in), ("output", got_out, wanted_out),
+              ("state update (output: the input it updates in place)", list(_aliases(module).items()), list(enumerate(mutated))))
+    for what, got, wanted in checks:
+        if got != wanted:
+            raise BundleError(f"{where}: the compiled program's {_difference(what, got, wanted)} (a region file of another "
+                              "region, or a mangled one). Running it would fail or misread memory; recompile the bundle.")
+
+
+def _difference(what: str, got: list, wanted: list) -> str:
+    """Where two lists first differ, in words."""
+    if len(got) != len(wanted):
+        return f"{what}s number {len(got)}, but the manifest's region has {len(wanted)}"
+    i = next(i for i, (g, w) in enumerate(zip(got, wanted)) if g != w)
+    return f"{what} {i} is {got[i]}, but the manifest's region says {wanted[i]}"
+
+
+def _aliases(module) -> dict[int, int]:
+    """output index -> the parameter it updates in place, from the module's header line:
+    `HloModule m, input_output_alias={ {0}: (3, {}, may-alias), ... }, entry_computation_layout=...`."""
+    header = module.to_string().split("\n", 1)[0]
+    table = header.partition("input_output_alias=")[2].partition("entry_computation_layout")[0]
+    return {int(output): int(parameter) for output, parameter in re.findall(r"\{(\d+)\}: \((\d+), \{\}", table)}
+
+
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16",
+                np.dtype(np.int64): "int64", np.dtype(np.int32): "int32", np.dtype(np.bool_): "bool",
+                np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn", np.dtype(np.uint8): "uint8"}
+
+
+def _spec(shape) -> tuple[list[int], str]:
+    if shape.is_tuple():
+        return [], "tuple"
+    return list(shape.dimensions()), _DTYPE_NAMES.get(shape.element_type(), str(shape.element_type()))
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else "no message"
 
 
 class _Arguments:

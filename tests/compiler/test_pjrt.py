@@ -16,31 +16,18 @@ from deepinfer.compiler.recipe import load_recipe
 from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.errors import BundleError, DeepinferError
 from deepinfer.runtime.executor import BundleExecutor
-from tests.conftest import write_recipe
+from tests.conftest import pjrt_recipe
 from tests.runtime.test_bundle_trust import edit_manifest
 
 pytest.importorskip("torch_mlir")
 pytest.importorskip("jax")
 
-# Prefill chunks of 64 take the grouped MoE form (with its overflow passes); decode batches of 4.
-METHODS = {"decode": {"buckets": [4]}, "prefill": {"buckets": [64]}}
 PROMPTS = [[5, 6, 7], list(range(20, 56))]
 
 
 def tokens(bundle):
     engine = Engine.for_bundle(BundleExecutor(bundle))
     return [r.token_ids for r in engine.generate([Request(p, 8) for p in PROMPTS])]
-
-
-def pjrt_recipe(tmp_path, name, overflow):
-    return write_recipe(tmp_path, name, model={"expert_overflow": overflow}, methods=METHODS,
-                        backend={"name": "pjrt", "options": {}})
-
-
-@pytest.fixture(scope="module")
-def pjrt_bundle(tmp_path_factory, cache_dir):
-    work = tmp_path_factory.mktemp("pjrt")
-    return compile_recipe(load_recipe(pjrt_recipe(work, "tiny-pjrt", "always")), cache_dir=cache_dir, progress=False).bundle
 
 
 def test_pjrt_regions_give_the_export_bundles_tokens(pjrt_bundle, tiny_bundle):
@@ -152,3 +139,42 @@ def test_a_platform_without_dlpack_copies_and_gives_the_same_tokens(pjrt_bundle,
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int64):
         tensor = torch.randn(3, 5).mul(100).to(dtype)[:, 1:]  # (not contiguous)
         assert torch.equal(pjrt._from_host(jax.device_put(pjrt._to_host(tensor))).view(torch.uint8), tensor.contiguous().view(torch.uint8))
+
+
+def test_a_region_file_of_another_region_is_refused_at_load(pjrt_bundle, tmp_path):
+    """Two regions' files swapped (each re-checksummed in the manifest): the executable's own
+    parameters are not the manifest's specs, so the bundle is refused at load, naming the file --
+    not at its first step, where a server would fail every request in flight."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(pjrt_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    first, second = sorted((r["file"] for r in manifest["regions"].values()), key=lambda f: (bundle / f).stat().st_size)[-2:]
+    data = (bundle / first).read_bytes()
+    (bundle / first).write_bytes((bundle / second).read_bytes())
+    (bundle / second).write_bytes(data)
+    edit_manifest(bundle, lambda body: None)
+    with pytest.raises(BundleError, match=r"regions/\w+\.pjrt: the compiled program's inputs number \d+, but the manifest's "
+                                          r"region has \d+ .*recompile the bundle"):
+        BundleExecutor(bundle)
+
+
+def test_the_jaxlib_a_bundle_was_compiled_with_is_checked(pjrt_bundle, tmp_path, monkeypatch):
+    """The CPU client's platform_version is "cpu" whatever the jaxlib: the toolchain's jaxlib and
+    the one each executable records must be this host's, or the StableHLO is compiled here."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(pjrt_bundle, bundle)
+    edit_manifest(bundle, lambda body: body["toolchain"].update(jaxlib="0.0.1"))
+    with pytest.raises(BundleError, match=r"compiled with jaxlib 0.0.1 \(toolchain.jaxlib\), and this host has jaxlib "):
+        BundleExecutor(bundle)
+    monkeypatch.setenv("DEEPINFER_PJRT_RECOMPILE", "1")
+    assert tokens(bundle) == tokens(pjrt_bundle)
+    monkeypatch.delenv("DEEPINFER_PJRT_RECOMPILE")
+    with pytest.raises(BundleError, match=r"version 'cpu \(jaxlib 0.0.1\)', but this host's plugin is 'cpu \(jaxlib "):
+        BundleExecutor(relabelled(pjrt_bundle, tmp_path, platform_version="cpu (jaxlib 0.0.1)"))
+
+
+@pytest.mark.parametrize("metadata, message", [({"platform": ""}, "platform '' is not a PJRT platform name"),
+                                               ({"mutated_inputs": "[0, 0]"}, r"mutated_inputs \[0, 0\] does not fit")])
+def test_pjrt_metadata_out_of_range_is_refused(pjrt_bundle, tmp_path, metadata, message):
+    with pytest.raises(BundleError, match=message):
+        BundleExecutor(relabelled(pjrt_bundle, tmp_path, **metadata))

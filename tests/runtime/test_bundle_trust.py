@@ -32,6 +32,8 @@ def edit_manifest(bundle, edit):
     edit(body)
     body["files"] = {rel: hashlib.sha256((bundle / rel).read_bytes()).hexdigest() if (bundle / rel).is_file() else digest
                      for rel, digest in body["files"].items()}
+    body["sizes"] = {rel: (bundle / rel).stat().st_size if (bundle / rel).is_file() else body.get("sizes", {}).get(rel, 0)
+                     for rel in body["files"]}
     path.write_text(Manifest.from_dict(body).to_json())
 
 
@@ -175,7 +177,7 @@ def test_what_is_verified_is_what_is_loaded(bundle, tmp_path, monkeypatch):
     monkeypatch.setattr(executor_module, "read_manifest", read_then_swap)
     from deepinfer.runtime.trust import Trust
 
-    with pytest.raises(BundleError, match="checksum mismatch"):
+    with pytest.raises(BundleError, match="checksum mismatch|bytes, but the manifest says"):
         BundleExecutor(bundle, trust=Trust(verify_key_file=key))
     assert not marker.exists()
 
@@ -192,6 +194,19 @@ def test_export_regions_relabelled_native_are_refused_too(bundle):
     edit_manifest(bundle, lambda body: [r.update(backend="inductor") for r in body["regions"].values()])
     out = run(bundle, "--native-regions", "refuse")
     assert out.returncode == 1 and "carry machine code" in out.stderr, out.stderr
+    out = run(bundle, "--native-regions", "allow")  # (the AOTInductor loader's own error, in one paragraph)
+    assert out.returncode == 1 and "not an AOTInductor package" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_grown_file_is_refused_before_it_is_read(bundle):
+    """The manifest records every file's size: a weights file grown to 30 GiB (sparse: no disk
+    used) is refused before anything is allocated or read."""
+    weights = bundle / "weights" / "rank-0.safetensors"
+    expected = weights.stat().st_size
+    os.truncate(weights, 30 << 30)
+    out = run(bundle)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"rank-0.safetensors: {30 << 30} bytes, but the manifest says {expected}" in out.stderr, out.stderr
 
 
 def test_files_are_read_only_as_the_manifest_lists_them(bundle, tmp_path):

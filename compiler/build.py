@@ -23,7 +23,7 @@ from deepinfer.runtime.versions import toolchain_versions
 
 from . import trace
 from .backends import backend_module
-from .bundle import check_output, write_bundle
+from .bundle import check_output, output_lock, write_bundle
 from .cache import CompileCache
 from .fingerprint import fingerprint
 from .pack import pack_collectives
@@ -319,6 +319,12 @@ def weight_writer(recipe: Recipe, names: list[str], layout: Layout):
 
 def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,
                    progress: bool = True, sign_key: bytes | None = None, executor: Executor = LOCAL) -> Summary:
+    """Compile `recipe` into its output bundle, holding the output's lock throughout."""
+    with output_lock(recipe.output):
+        return _compile_recipe(recipe, jobs, cache_dir, timeout, progress, sign_key, executor)
+
+
+def _compile_recipe(recipe, jobs, cache_dir, timeout, progress, sign_key, executor) -> Summary:
     from deepinfer.runtime import knobs
 
     from .footprint import check_fits  # (footprint builds on this module's plan)

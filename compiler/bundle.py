@@ -4,11 +4,14 @@ failed or interrupted compile never leaves a half-written bundle behind.
 The output directory is only ever replaced when it holds a deepinfer bundle (its manifest has the
 bundle magic) or nothing at all: `--out ~/thesis` must not delete a thesis."""
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
 
+from deepinfer.runtime.errors import DeepinferError
 from deepinfer.runtime.manifest import MAGIC, Manifest, sha256_file, sign
 
 from .recipe import RecipeError
@@ -32,6 +35,47 @@ def check_output(out: Path):
         raise RecipeError(f"output {out}: the directory holds files that are not a deepinfer bundle (no bundle manifest.json), "
                           "and compiling would replace them. Choose an empty or new directory (--out or the recipe's "
                           "output:), or remove it yourself if its contents are expendable.")
+
+
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """Held for a whole compile into `out`: a second compile into the same output stops at once
+    with a message, instead of both finishing and the last rename silently winning. The lock is a
+    file beside the output (`.NAME.lock`, holding the pid), removed when the compile ends; the
+    kernel drops the lock itself if the process dies."""
+    out = Path(out)
+    path = out.parent / f".{out.name}.lock"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = _locked(path, out)
+    except OSError as err:
+        raise DeepinferError(f"output {out}: cannot write beside it ({err.strerror}: {err.filename}); choose another "
+                             "output (--out or the recipe's output:).") from None
+    try:
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.unlink(path)  # (before the lock goes: a compile waiting on this file finds it gone and takes a new one)
+        os.close(fd)
+
+
+def _locked(path: Path, out: Path) -> int:
+    """A descriptor of `path` holding its exclusive lock, the file still at that path."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DeepinferError(f"output {out}: another deepinfer-compile (pid {holder}) is compiling into it now. Wait "
+                                 "for it to finish, or compile into another directory (--out or the recipe's output:).") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # a compile that just finished removed this file: lock the new one
 
 
 def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], write_weights,
@@ -58,6 +102,11 @@ def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], w
         if sign_key is not None:
             sign(staging, sign_key)
         _replace(staging, out)
+    except OSError as err:  # a full disk, a quota, a read-only directory: nothing is left half-written
+        raise DeepinferError(f"output {out}: the bundle could not be written ({err.strerror} writing "
+                             f"{err.filename or staging}). Nothing was written (the staging directory was removed); "
+                             "free space or choose another output (--out), then run the same command again: "
+                             "compiled regions are cached.") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -52,7 +52,7 @@ class _CoreConstructor(yaml.constructor.SafeConstructor):
         if LEADING_ZERO.fullmatch(text):
             raise RecipeYAMLError(node.start_mark.line + 1, f"{text} has a leading zero, which YAML 1.1 reads as octal; "
                                   "write the decimal number without it (or 0o... for octal).")
-        value = int(text, 0)
+        value = int(text, 0) if len(text) <= 24 else 1 << 64  # (no 64-bit integer is longer; Python refuses past 4300 digits)
         if not -(1 << 63) <= value < 1 << 63:
             raise RecipeYAMLError(node.start_mark.line + 1, f"{text[:20]}... does not fit in 64 bits.")
         return value

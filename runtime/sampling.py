@@ -19,6 +19,9 @@ from .errors import DeepinferError
 # overflow, and T itself underflows to 0 in float32 below ~1e-45.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (OpenAI's limit)
+# The largest logit a penalty may make: divided by the smallest temperature that is not greedy it
+# is still finite in float32 (1e30 / 1e-5 = 1e35 < 3.4e38).
+LARGEST_LOGIT = 1e30
 
 
 class SamplingError(DeepinferError):
@@ -108,7 +111,9 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: list[int], hist
         if params.repetition_penalty != 1:
             seen = torch.tensor(sorted(set(prompt) | set(history)))
             values = row[seen]
-            row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+            # (a tiny penalty divides a logit past float32: saturate, so softmax still sees numbers)
+            raised = (values / params.repetition_penalty).clamp(max=LARGEST_LOGIT)
+            row[seen] = torch.where(values > 0, raised, values * params.repetition_penalty)
         if history and (params.presence_penalty or params.frequency_penalty):
             ids, counts = torch.tensor(history).unique(return_counts=True)
             row[ids] -= params.frequency_penalty * counts + params.presence_penalty

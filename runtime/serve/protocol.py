@@ -180,8 +180,9 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
         raise bad("logit_bias", "give an object of at most 1024 {\"token id\": bias}.")
     bias = []
     for key, b in value.items():
-        if not (key.isascii() and key.isdigit()) or len(key) > 9:
-            raise bad("logit_bias", f"key {key[:20]!r} is not a token id.")
+        if not (key.isascii() and key.isdigit()) or len(key) > 9 or key != str(int(key)):
+            raise bad("logit_bias", f"key {key[:20]!r} is not a token id (decimal digits without leading zeros: \"05\" and "
+                                    "\"5\" would name one token twice).")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise bad("logit_bias", f"bias {b!r} of token {key}: give a number in [-100, 100].")
         bias.append((int(key), float(b)))
@@ -244,7 +245,9 @@ def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, int) and abs(value) > 1 << 64:
+        raise bad(name, f"{str(value)[:40]}: give a finite number.")  # (a JSON integer may have any number of digits)
+    if not math.isfinite(value):
         raise bad(name, f"{value!r}: give a finite number.")
     return float(value)
 

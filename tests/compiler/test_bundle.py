@@ -1,5 +1,6 @@
 """The output directory: only a bundle (or nothing) is ever replaced; the name is one path component."""
 
+import os
 import subprocess
 import sys
 
@@ -53,3 +54,38 @@ def test_name_must_be_one_path_component(tmp_path, name):
     path.write_text(text)
     with pytest.raises(RecipeError, match=r"name: .* must be one path component"):
         load_recipe(path)
+
+
+def test_a_second_compile_into_the_same_output_stops_at_once(tmp_path, cache_dir):
+    """While one compile holds an output, another into it exits 1 naming the holder's pid; the
+    lock file goes with the compile that held it."""
+    from deepinfer.compiler.bundle import output_lock
+
+    out = tmp_path / "bundle"
+    with output_lock(out):
+        run = compile_cli(TINY_RECIPE, "--backend", "export", "--out", out, "--cache-dir", cache_dir)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert f"another deepinfer-compile (pid {os.getpid()}) is compiling into it now" in run.stderr, run.stderr
+        assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_leaves_nothing_half_written(tiny_bundle, tmp_path, cache_dir):
+    """A bundle that cannot be written (here: a file size limit, as a full disk or a quota would
+    stop it) is one paragraph and exit 1, with no bundle, staging or lock left behind."""
+    import resource
+    import signal
+
+    tiny_bundle("export")  # (the session cache holds the regions: only the bundle is written)
+    limit = 64 << 10
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails with EFBIG instead)
+
+    out = tmp_path / "out" / "bundle"
+    run = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", str(TINY_RECIPE), "--backend", "export", "--out",
+                          str(out), "--cache-dir", str(cache_dir)], capture_output=True, text=True, timeout=600, preexec_fn=limited)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "the bundle could not be written (File too large writing" in run.stderr, run.stderr
+    assert "Nothing was written" in run.stderr and list((tmp_path / "out").iterdir()) == []

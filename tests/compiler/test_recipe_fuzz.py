@@ -178,6 +178,8 @@ BIG = "1" + "0" * 400
     (TINY_RECIPE.read_text().replace("output: artifacts/tiny", 'output: "a\\0b"'), "holds a NUL"),
     (TINY_RECIPE.read_text().replace("output: artifacts/tiny", 'output: "a\\ud800b"'), "lone surrogate"),
     (TINY_RECIPE.read_text().replace("  seed: 0", f"  seed: 0\n  expert_capacity: {BIG}"), "does not fit in 64 bits"),
+    (TINY_RECIPE.read_text().replace("  seed: 0", f"  seed: {'9' * 5000}"), "does not fit in 64 bits"),  # (past Python's int limit)
+    (TINY_RECIPE.read_text().replace("  seed: 0", f"  seed: 0x{'f' * 5000}"), "does not fit in 64 bits"),
     (TINY_RECIPE.read_text().replace("options: {}", "options: {1: 2}").replace("inductor", "export"), "key '1' is not a string"),
     (TINY_RECIPE.read_text().replace("config:", "config:\n    eos_token_id: [5, x, null]", 1),
      "eos_token_id=[5, 'x', None] must be a token id or a non-empty list"),

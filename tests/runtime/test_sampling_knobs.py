@@ -41,6 +41,17 @@ def test_penalties_bias_and_min_tokens_follow_vllms_formulas():
     assert adjust(logits, SamplingParams(), prompt, histories, [9]) is logits  # nothing asked: untouched
 
 
+def test_a_tiny_repetition_penalty_saturates_instead_of_overflowing():
+    """repetition_penalty in (0, 2] divides a positive logit: by 1e-300 that is past float32, so
+    it saturates at a logit still finite after the smallest sampling temperature."""
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1e-5, repetition_penalty=1e-300)
+    out = adjust(logits, params, [1, 2, 3], [[4]], stop_ids=[])
+    assert torch.isfinite(out).all() and torch.isfinite(probabilities(out, params)).all()
+    positive = [t for t in (1, 2, 3, 4) if logits[0, t] > 0]
+    assert positive and all(out[0, t] == 1e30 for t in positive)
+
+
 def test_top_k_and_min_p_keep_what_the_formulas_keep():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
     p = probabilities(logits, SamplingParams(temperature=0.7, top_k=5))

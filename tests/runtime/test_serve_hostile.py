@@ -75,10 +75,24 @@ def test_a_template_that_never_ends_is_cut_off_while_the_server_answers(server):
     assert chat(server, "hello")[0] == 200  # a new renderer took over
 
 
-@pytest.mark.parametrize("extra", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}])
+@pytest.mark.parametrize("extra", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300},
+                                   {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e-300, "temperature": 1e-5}])
 def test_sampling_parameters_that_underflow_are_served(server, extra):
     status, reply = request("POST", f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 3, **extra}, AUTH)
     assert status == 200 and reply["usage"]["completion_tokens"] == 3, reply
+
+
+@pytest.mark.parametrize("param, value", [("temperature", 10**400), ("top_p", 10**400), ("min_p", -(10**400)),
+                                          ("presence_penalty", 10**400), ("repetition_penalty", 10**400)])
+def test_numbers_past_any_float_are_a_400(server, param, value):
+    status, reply = request("POST", f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2, param: value}, AUTH)
+    assert status == 400 and reply["error"]["param"] == param and "give a finite number" in reply["error"]["message"], reply
+
+
+def test_a_token_named_twice_in_logit_bias_is_a_400(server):
+    body = {"prompt": [5, 6], "max_tokens": 2, "logit_bias": {"5": 100, "05": 100}}
+    status, reply = request("POST", f"{server.url}/v1/completions", body, AUTH)
+    assert status == 400 and reply["error"]["param"] == "logit_bias" and "leading zeros" in reply["error"]["message"], reply
 
 
 @pytest.mark.parametrize("raw, param", [

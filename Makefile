@@ -1,6 +1,6 @@
 # make demo   set up, compile the trained tiny V3 (AOTInductor) and V4 (export), both with speculative decoding on, generate from both
 # make test   set up, then run the whole suite
-# make serve  serve artifacts/tiny-code (compiled first if absent) over OpenAI's HTTP API on 127.0.0.1:8000
+# make serve  serve artifacts/tiny-code (compiled first if absent, here: its AOTInductor regions are allowed) over OpenAI's HTTP API on 127.0.0.1:8000
 # make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -31,7 +31,7 @@ test: setup
 
 serve: setup
 	test -f artifacts/tiny-code/manifest.json || $(VENV)/bin/deepinfer-compile recipes/tiny-code.yaml
-	$(VENV)/bin/deepinfer-serve --bundle artifacts/tiny-code
+	$(VENV)/bin/deepinfer-serve --bundle artifacts/tiny-code --native-regions allow
 
 compile-all: setup
 	@status=0; for recipe in recipes/*.yaml; do \

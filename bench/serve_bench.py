@@ -55,8 +55,9 @@ def compile_bundle(work: Path, backend: str) -> Path:
 
 
 def start_server(bundle: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """deepinfer-serve on a free port, its native regions allowed (a bundle this bench compiled)."""
     server = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.serve.cli", "--bundle", str(bundle), "--port", "0",
-                               *args], stderr=subprocess.PIPE, text=True)
+                               "--native-regions", "allow", *args], stderr=subprocess.PIPE, text=True)
     url = re.search(r"listening on (http://[\d.:]+)", server.stderr.readline()).group(1)
     return server, url
 

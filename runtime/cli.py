@@ -71,9 +71,10 @@ def check_text(text: str) -> str:
 @click.option("--top-p", default=1.0, show_default=True, help="nucleus mass in (0, 1]")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, (1 << 63) - 1), help="sampling seed")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@trust_options
+@trust_options(default="allow")
 def main(bundle, prompts, prompt_ids, max_tokens, temperature, top_p, seed, as_json, verify_key, native_regions):
-    """Generate from a compiled bundle."""
+    """Generate from a compiled bundle. A bundle of inductor, pjrt or neuron regions is machine code,
+    run as it is: run only bundles you built, or whose signature you check with --verify-key."""
     from . import knobs
     from .tokenizer import bundle_tokenizer
 

@@ -61,6 +61,7 @@ class Request:
     max_tokens: int = 32  # 0: none (only with sampling.prompt_logprobs: the prompt is scored)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks with fixed output lengths)
+    cache_salt: str = ""  # prefix caching reuses state only between requests of the same salt (tenants)
 
 
 @dataclass
@@ -249,7 +250,7 @@ class Engine:
             held, usable = self._held(seq)
             if self.prefix_caching and seq.result.finish_reason != "error" and held:
                 self.cached[seq.slot] = held, usable
-                self.index.add(seq.slot, (seq.request.prompt_ids + seq.result.token_ids)[:held])
+                self.index.add(seq.slot, (seq.request.prompt_ids + seq.result.token_ids)[:held], seq.request.cache_salt)
             else:  # (a sequence cancelled before its first chunk leaves nothing)
                 self.index.remove(seq.slot)
 
@@ -258,7 +259,7 @@ class Engine:
         (then only the rest is prefilled), else an empty one, else the least recently used."""
         slot, reused = None, 0
         if self._may_reuse(seq):
-            free = [(s, n) for s, n in self._reusable(seq.request.prompt_ids).items() if s in self.cached]
+            free = [(s, n) for s, n in self._reusable(seq.request).items() if s in self.cached]
             slot, reused = max(free, key=lambda pair: pair[1], default=(None, 0))
         if not reused:
             slot = next((s for s in self.free_slots if s not in self.cached), self.free_slots[0])
@@ -267,7 +268,7 @@ class Engine:
         self.cached.pop(slot, None)
         seq.slot, seq.prefilled = slot, reused
         if self.prefix_caching:  # (a running sequence holds a prefix of its prompt: other prompts may copy it)
-            self.index.add(slot, seq.request.prompt_ids)
+            self.index.add(slot, seq.request.prompt_ids, seq.request.cache_salt)
         self.running.append(seq)
 
     def _start_prefill(self, seq: Sequence):
@@ -275,7 +276,7 @@ class Engine:
         now, if it beats what the sequence's own slot gave it; count the reuse."""
         seq.started = True
         if self._may_reuse(seq):
-            others = [(s, n) for s, n in self._reusable(seq.request.prompt_ids).items() if s != seq.slot]
+            others = [(s, n) for s, n in self._reusable(seq.request).items() if s != seq.slot]
             source, n = max(others, key=lambda pair: pair[1], default=(None, 0))
             if n > seq.prefilled:
                 # Everything the source holds when a fixed-size state makes the copy stand for the source's
@@ -292,10 +293,11 @@ class Engine:
     def _may_reuse(self, seq: Sequence) -> bool:
         return self.prefix_caching and seq.request.sampling.prompt_logprobs is None  # (a scored prompt runs whole)
 
-    def _reusable(self, prompt: list[int]) -> dict[int, int]:
-        """slot -> prompt positions its state gives now (0: none), for every slot the index knows."""
-        reusable = {}
-        for slot, common in self.index.matches(prompt).items():
+    def _reusable(self, request: Request) -> dict[int, int]:
+        """slot -> positions of the request's prompt its state gives now (0: none), for every slot
+        the index knows under the request's cache salt."""
+        reusable, prompt = {}, request.prompt_ids
+        for slot, common in self.index.matches(prompt, request.cache_salt).items():
             known = len(self.index.tokens[slot])  # (a running sequence's: its prompt; it may hold fewer, or more)
             held, usable = self._holding(slot)
             n = min(common, usable, len(prompt) - 1)  # (one prompt token at least is prefilled: its logits give the next)

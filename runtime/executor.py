@@ -209,10 +209,9 @@ def admit(bundle: Path, rank: int, trust: Trust):
     where = f"{bundle}/manifest.json"
     loaders = {fp: backend_module(r.backend, f"{where}: region {fp}") for fp, r in manifest.regions.items()}
     native = sorted({r.backend for fp, r in manifest.regions.items() if loaders[fp].NATIVE_CODE})
-    if native and not trust.native_regions:
-        raise BundleError(f"{where}: the bundle's regions carry machine code ({', '.join(native)} backend), and this "
-                          "deployment runs data-only bundles (--native-regions refuse). Compile it with "
-                          "`--backend export`, or allow native regions for a bundle you trust.")
+    refusal = trust.native_refusal(native) if native else None
+    if refusal:
+        raise BundleError(f"{where}: {refusal}")
     for module in set(loaders.values()):
         problem = module.host_problem(manifest.toolchain) if hasattr(module, "host_problem") else None
         if problem:

@@ -108,7 +108,7 @@ def run_follower(bundle: Path, trust: Trust = Trust()):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--bundle", required=True, type=click.Path(exists=True, file_okay=False))
-@trust_options
+@trust_options(default="allow")
 def main(bundle, verify_key, native_regions):
     run_follower(Path(bundle), Trust.of_options(verify_key, native_regions))
 

@@ -6,6 +6,10 @@ new prompt each slot holds then walks the prompt's block hashes once (stopping a
 slot has) and compares at most one block per slot in Python, token by token. The prefix a hash
 matched is confirmed by one list comparison per slot (in C, about a nanosecond a token), so a
 hash collision cannot make a wrong match.
+
+A slot's tokens carry a salt (a request's cache_salt, a tenant's key): a prompt matches only the
+slots of its own salt, so requests of different salts never share state or learn from each
+other's hits. The salt starts each hash chain and is compared itself (a collision cannot join two).
 """
 
 class PrefixIndex:
@@ -14,12 +18,13 @@ class PrefixIndex:
         self.tokens: dict[int, list[int]] = {}  # slot -> the tokens whose state it holds
         self.chains: dict[int, list[int]] = {}  # slot -> the chained hash of each whole block of its tokens
         self.slots_of: dict[int, set[int]] = {}  # chained hash -> the slots holding that prefix
+        self.salts: dict[int, str] = {}  # slot -> the salt of the request whose tokens it holds
 
-    def add(self, slot: int, tokens: list[int]):
-        """Slot `slot` now holds the state of `tokens` (replacing what it held)."""
+    def add(self, slot: int, tokens: list[int], salt: str = ""):
+        """Slot `slot` now holds the state of `tokens`, for prompts salted `salt` (replacing what it held)."""
         self.remove(slot)
-        self.tokens[slot] = tokens
-        self.chains[slot] = list(self._chain(tokens))
+        self.tokens[slot], self.salts[slot] = tokens, salt
+        self.chains[slot] = list(self._chain(tokens, salt))
         for h in self.chains[slot]:
             self.slots_of.setdefault(h, set()).add(slot)
 
@@ -30,12 +35,13 @@ class PrefixIndex:
             if not slots:
                 del self.slots_of[h]
         self.tokens.pop(slot, None)
+        self.salts.pop(slot, None)
 
-    def matches(self, prompt: list[int]) -> dict[int, int]:
-        """slot -> how many leading tokens of `prompt` its tokens share."""
-        depth = dict.fromkeys(self.tokens, 0)  # slot -> whole blocks shared
-        for level, h in enumerate(self._chain(prompt), start=1):
-            slots = self.slots_of.get(h)
+    def matches(self, prompt: list[int], salt: str = "") -> dict[int, int]:
+        """slot -> how many leading tokens of `prompt` its tokens share, for the slots salted `salt`."""
+        depth = {slot: 0 for slot, s in self.salts.items() if s == salt}  # slot -> whole blocks shared
+        for level, h in enumerate(self._chain(prompt, salt), start=1):
+            slots = [slot for slot in self.slots_of.get(h, ()) if slot in depth]
             if not slots:
                 break
             depth.update(dict.fromkeys(slots, level))
@@ -49,8 +55,8 @@ class PrefixIndex:
                 shared[slot] = start + _common_length(tokens[start:end], prompt[start:end])
         return shared
 
-    def _chain(self, tokens: list[int]):
-        h = 0
+    def _chain(self, tokens: list[int], salt: str):
+        h = hash(salt)
         for start in range(0, len(tokens) - self.block + 1, self.block):
             h = hash((h, *tokens[start : start + self.block]))
             yield h

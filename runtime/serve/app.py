@@ -36,10 +36,13 @@ class OpenAIServer:
     """State the routes share. `open_executor()` loads the bundle on the engine thread;
     `request_exit()` asks the HTTP server to stop (set by the command line)."""
 
-    def __init__(self, open_executor, model_name: str, max_queue: int, api_key: str | None = None,
-                 render_seconds: float = RENDER_SECONDS, body_seconds: float = 30.0, prefix_caching: bool = True):
-        self.open_executor, self.model_name, self.max_queue, self.api_key = open_executor, model_name, max_queue, api_key
-        self.prefix_caching = prefix_caching
+    def __init__(self, open_executor, model_name: str, max_queue: int, api_keys: tuple[str, ...] = (),
+                 render_seconds: float = RENDER_SECONDS, body_seconds: float = 30.0, prefix_caching: bool = True,
+                 prefix_cache_per_key: bool = False):
+        """`api_keys`: the keys a client may send (none: no key asked); `prefix_cache_per_key`: each
+        key's requests share cached prompts only among themselves (the key salts them)."""
+        self.open_executor, self.model_name, self.max_queue, self.api_keys = open_executor, model_name, max_queue, api_keys
+        self.prefix_caching, self.prefix_cache_per_key = prefix_caching, prefix_cache_per_key
         self.render_seconds, self.body_seconds = render_seconds, body_seconds
         self.metrics = Metrics()
         self.engine_thread: EngineThread | None = None
@@ -176,8 +179,11 @@ class OpenAIServer:
     async def _accept(self, request: HTTPRequest, parse) -> Generation:
         """The checks every generation request passes, in the order a client should hear of them:
         key, body, parameters, model, then whether the engine can take it."""
-        body = await self._body(request)
+        key = self._authorize(request)
+        body = await _json_body(request, self.body_seconds)
         generation = parse(body)
+        if self.prefix_cache_per_key:  # (the key's index: salts of different keys never coincide)
+            generation.cache_salt = f"{key}\0{generation.cache_salt}"
         self._check_model(body)
         self._check_available()
         return generation
@@ -186,13 +192,16 @@ class OpenAIServer:
         self._authorize(request)
         return await _json_body(request, self.body_seconds)
 
-    def _authorize(self, request: HTTPRequest):
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+    def _authorize(self, request: HTTPRequest) -> int | None:
+        """The index of the API key the request sent (None: the server asks for none)."""
+        if not self.api_keys:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in self.api_keys]  # (each compared)
+        if not any(matches):
             raise APIError(401, "Incorrect API key provided: send it as the header 'Authorization: Bearer <key>' "
-                                "(the server's --api-key).", code="invalid_api_key")
+                                "(one of the server's --api-key).", code="invalid_api_key")
+        return matches.index(True)
 
     def _check_model(self, body: dict):
         model = body.get("model")
@@ -219,7 +228,7 @@ class OpenAIServer:
             # The last token sampled needs no cache position: up to max_len - n + 1 tokens fit.
             room = max_len - len(ids) + 1
             max_tokens = room if generation.max_tokens is None else generation.max_tokens
-            request = Request(ids, max_tokens, generation.sampling, generation.ignore_eos)
+            request = Request(ids, max_tokens, generation.sampling, generation.ignore_eos, generation.cache_salt)
             try:
                 self.engine.check(request)
             except SamplingError as err:  # (prompt_logprobs: what echo with logprobs asks for)

@@ -33,7 +33,9 @@ from ..trust import Trust, trust_options
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="requests that may wait for a sequence slot; past that, 429")
-@click.option("--api-key", envvar="DEEPINFER_API_KEY", help="require 'Authorization: Bearer KEY' on /v1 (or DEEPINFER_API_KEY)")
+@click.option("--api-key", "api_keys", multiple=True, envvar="DEEPINFER_API_KEY",
+              help="require 'Authorization: Bearer KEY' on /v1; repeat for several keys (or DEEPINFER_API_KEY, "
+                   "keys separated by spaces)")
 @click.option("--served-model-name", help="the model id clients send  [default: the bundle's recipe name]")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="seconds in-flight requests get to finish after SIGTERM")
@@ -41,10 +43,15 @@ from ..trust import Trust, trust_options
               help="seconds a client has to send a request's headers, and then its body")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="reuse the state a finished sequence left in its slot for a prompt that starts with its tokens")
-@trust_options
-def main(bundle, host, port, max_queue, api_key, served_model_name, grace, request_timeout, prefix_caching, verify_key,
-         native_regions):
-    """Serve a compiled bundle over OpenAI's HTTP API."""
+@click.option("--prefix-cache-per-key", is_flag=True,
+              help="share cached prompts only among requests of the same API key (each key salts the cache, as a "
+                   "request's cache_salt does): one tenant cannot learn another's prompts from cache hits")
+@trust_options(default="signed")
+def main(bundle, host, port, max_queue, api_keys, served_model_name, grace, request_timeout, prefix_caching,
+         prefix_cache_per_key, verify_key, native_regions):
+    """Serve a compiled bundle over OpenAI's HTTP API. A bundle of inductor, pjrt or neuron regions is
+    machine code: by default it is served only when signed and verified (--verify-key); pass
+    --native-regions allow for one you built yourself."""
     try:
         import uvicorn
 
@@ -56,6 +63,8 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, reque
     from ..cli import open_bundle
 
     bundle = Path(bundle)
+    if prefix_cache_per_key and not api_keys:
+        raise click.UsageError("--prefix-cache-per-key separates the prefix cache by API key: give the keys with --api-key.")
     trust = Trust.of_options(verify_key, native_regions)
     under_torchrun = "RANK" in os.environ and "DEEPINFER_RING_FD" not in os.environ
     if under_torchrun and int(os.environ["RANK"]) > 0:
@@ -78,7 +87,8 @@ def main(bundle, host, port, max_queue, api_key, served_model_name, grace, reque
                                    "(0 takes any free one).") from None
 
     api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, trust, on_failure=lambda m: api.engine_thread.fail(m)),
-                       name, max_queue, api_key, body_seconds=request_timeout, prefix_caching=prefix_caching)
+                       name, max_queue, api_keys, body_seconds=request_timeout, prefix_caching=prefix_caching,
+                       prefix_cache_per_key=prefix_cache_per_key)
     config = uvicorn.Config(api.app, log_level="warning", lifespan="on", http=head_deadline_protocol(request_timeout))
     server = DrainingServer(config, api, grace)
     click.echo(f"deepinfer-serve: listening on http://{host}:{sock.getsockname()[1]} (model {name!r}; loading {bundle})",

@@ -20,7 +20,8 @@ NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "too
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
           # vLLM's extensions
-          "ignore_eos", "return_token_ids", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids"}
+          "ignore_eos", "return_token_ids", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+          "cache_salt"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_N = 16  # choices per prompt
@@ -53,6 +54,7 @@ class Generation:
     max_tokens_param: str = "max_tokens"  # the name the client used (chat: max_completion_tokens too)
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs if asked)
+    cache_salt: str = ""  # vLLM's: prefix caching shares state only among requests of the same salt
 
 
 def bad(param: str, message: str) -> APIError:
@@ -158,10 +160,13 @@ def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_pa
         sampling.check()  # the ranges (the vocabulary and the bundle's score programs are checked once it is loaded)
     except SamplingError as err:
         raise APIError(400, str(err), param=err.param) from None
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 1024):
+        raise bad("cache_salt", "give a non-empty string of at most 1024 characters (requests of one salt share cached prompts).")
     return Generation(prompts, max_tokens, sampling, stop,
                       stream=_flag(body, "stream"), include_usage=include_usage, continuous_usage=include_usage and continuous,
                       ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"),
-                      max_tokens_param=max_tokens_param, n=n, echo=echo)
+                      max_tokens_param=max_tokens_param, n=n, echo=echo, cache_salt=salt or "")
 
 
 def _top_k(body: dict) -> int:

@@ -15,7 +15,10 @@ API_KEY = "sk-test"
 
 class Served:
     def __init__(self, bundle: Path, *args: str, api_key: str | None = API_KEY):
+        """Native regions are allowed (the tests' own bundles) unless `args` say otherwise."""
         key = ["--api-key", api_key] if api_key else []
+        if "--native-regions" not in args:
+            args = (*args, "--native-regions", "allow")
         self.process = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.serve.cli", "--bundle", str(bundle),
                                          "--port", "0", *key, *args], stderr=subprocess.PIPE, text=True)
         line = self.process.stderr.readline()  # "listening on http://127.0.0.1:PORT ..."

@@ -190,6 +190,24 @@ def test_a_data_only_deployment_refuses_native_regions(tiny_bundle, tmp_path):
     assert "--native-regions refuse" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_server_runs_native_regions_only_from_a_signed_bundle(tiny_bundle, tmp_path):
+    """A region of machine code runs as it is: deepinfer-serve's default (--native-regions signed)
+    refuses an unsigned native bundle, naming both ways on; with a verified signature it runs."""
+    native = tmp_path / "native"
+    shutil.copytree(tiny_bundle("inductor"), native)
+    served = subprocess.run([sys.executable, "-m", "deepinfer.runtime.serve.cli", "--bundle", str(native), "--port", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert served.returncode == 1 and "carry machine code (inductor backend)" in served.stderr, served.stderr
+    assert "--sign-key KEYFILE" in served.stderr and "--native-regions allow" in served.stderr, served.stderr
+    assert "Traceback" not in served.stderr
+    key = tmp_path / "deploy.key"
+    key.write_text("k" * 64)
+    sign(native, read_key(key))
+    assert run(native, "--native-regions", "signed").returncode == 1
+    out = run(native, "--native-regions", "signed", "--verify-key", key)
+    assert out.returncode == 0, out.stderr
+
+
 def test_export_regions_relabelled_native_are_refused_too(bundle):
     edit_manifest(bundle, lambda body: [r.update(backend="inductor") for r in body["regions"].values()])
     out = run(bundle, "--native-regions", "refuse")

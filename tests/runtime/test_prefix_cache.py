@@ -87,3 +87,48 @@ def test_the_block_index_finds_the_common_prefix_a_scan_finds():
         scan = {slot: next((i for i, (a, b) in enumerate(zip(tokens, prompt)) if a != b), min(len(tokens), len(prompt)))
                 for slot, tokens in held.items()}
         assert index.matches(prompt) == scan
+    salted = PrefixIndex(block=4)
+    salted.add(0, base, "tenant-a")
+    assert salted.matches(base, "tenant-a") == {0: len(base)} and salted.matches(base) == {} == salted.matches(base, "b")
+
+
+def test_a_cache_salt_shares_state_only_within_itself():
+    """Requests of one salt reuse each other's prefixes; of another, never (no cached tokens, no
+    copies), and the tokens are the same either way."""
+    model = build_model(config=CONFIGS["deepseek_v3"], expert_overflow="always")
+    engine = eager_engine(model)
+    prompt = SYSTEM + [5, 6, 7]
+    first = engine.generate([Request(prompt, 8, cache_salt="alice")])[0]
+    others = engine.generate([Request(prompt, 8, cache_salt="mallory"), Request(prompt, 8)])
+    again = engine.generate([Request(prompt, 8, cache_salt="alice")])[0]
+    assert [r.cached_tokens for r in others] == [0, 0] and engine.prefix_copies == 0
+    assert again.cached_tokens == len(prompt) - 1  # (the last prompt token is prefilled: its logits give the next)
+    assert first.token_ids == again.token_ids == others[0].token_ids == others[1].token_ids
+
+
+def test_the_server_separates_cached_prompts_by_salt_and_by_key(tiny_bundle):
+    """The probe's side channel: a guessed secret no longer shows in cached_tokens across clients
+    with different keys (--prefix-cache-per-key) or different cache_salt values."""
+    from tests.runtime.serving import Served, request
+
+    served = Served(tiny_bundle("export"), "--api-key", "sk-alice", "--api-key", "sk-mallory", "--prefix-cache-per-key",
+                    api_key=None)
+    try:
+        def cached(key, **extra):
+            status, reply = request("POST", f"{served.url}/v1/completions", {"prompt": SYSTEM + [5, 6, 7], "max_tokens": 2,
+                                                                             "temperature": 0, **extra},
+                                    {"Authorization": f"Bearer {key}"})
+            assert status == 200, reply
+            return reply["usage"]["prompt_tokens_details"]["cached_tokens"], reply["choices"][0]["text"]
+
+        alice = cached("sk-alice")
+        assert cached("sk-mallory") == (0, alice[1])  # another key: nothing cached, the same text
+        assert cached("sk-alice") == (len(SYSTEM) + 2, alice[1])  # (all but the last prompt token)
+        assert cached("sk-alice", cache_salt="thread-2") == (0, alice[1])  # a salt within a key
+        assert cached("sk-alice", cache_salt="thread-2") == (len(SYSTEM) + 2, alice[1])
+        status, reply = request("POST", f"{served.url}/v1/completions", {"prompt": "x", "cache_salt": ""},
+                                {"Authorization": "Bearer sk-alice"})
+        assert status == 400 and reply["error"]["param"] == "cache_salt", reply
+    finally:
+        code, stderr = served.stop()
+    assert code == 0, stderr

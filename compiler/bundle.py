@@ -45,6 +45,7 @@ def output_lock(out: Path):
     kernel drops the lock itself if the process dies."""
     out = Path(out)
     path = out.parent / f".{out.name}.lock"
+    made = [d for d in [out.parent, *out.parent.parents] if not d.exists()]  # (removed again if no bundle comes)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd = _locked(path, out)
@@ -57,6 +58,9 @@ def output_lock(out: Path):
     finally:
         os.unlink(path)  # (before the lock goes: a compile waiting on this file finds it gone and takes a new one)
         os.close(fd)
+        for directory in made if not out.exists() else ():  # a failed compile leaves no directories behind
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def _locked(path: Path, out: Path) -> int:

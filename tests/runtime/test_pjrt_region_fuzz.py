@@ -1,5 +1,6 @@
 """Property: a pjrt region file mutated in any way -- bytes flipped, cut short, its executable or
-StableHLO taken from another region, its metadata or tensor entries of another type -- loads or
+StableHLO taken from another region, its StableHLO garbled and compiled at load
+(DEEPINFER_PJRT_RECOMPILE=1), its metadata or tensor entries of another type -- loads or
 is refused with a BundleError naming the file; never another exception, never a hang. (Only loaded:
 a flipped byte in the executable's machine code that still loads is code, which only a signature
 guards: tests/runtime/test_bundle_trust.py.)
@@ -63,7 +64,7 @@ def mutations(draw, regions):
     target = draw(st.integers(0, len(regions) - 1))
     entry, parts, metadata = regions[target]
     whole = safetensors(parts, metadata)
-    kind = draw(st.sampled_from(["flip", "cut", "swap", "metadata", "entry"]))
+    kind = draw(st.sampled_from(["flip", "cut", "swap", "metadata", "entry", "stablehlo"]))
     if kind == "flip":  # (each flip: anywhere in the file)
         data = bytearray(whole)
         for at, bits in draw(st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(1, 255)), min_size=1, max_size=4)):
@@ -75,6 +76,12 @@ def mutations(draw, regions):
         part = draw(st.sampled_from(["executable", "stablehlo"]))
         other = regions[draw(st.integers(0, len(regions) - 1))][1]
         data = safetensors({**parts, part: other[part]}, metadata)
+    elif kind == "stablehlo":  # garbled program text, compiled at load (an executable for another plugin)
+        text = bytearray(parts["stablehlo"])
+        for at, bits in draw(st.lists(st.tuples(st.integers(0, len(text) - 1), st.integers(1, 255)), min_size=1, max_size=4)):
+            text[at] ^= bits
+        data = safetensors({**parts, "stablehlo": bytes(text)}, {**metadata, "platform_version": "cpu (elsewhere)"})
+        return entry, data, True
     elif kind == "metadata":
         key = draw(st.sampled_from(["platform", "platform_version", "mutated_inputs", None]))
         changed = draw(JSON_VALUES) if key is None else {**metadata, key: draw(JSON_VALUES)}

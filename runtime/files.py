@@ -56,8 +56,8 @@ def read_verified(path: Path, sha256: str, size: int) -> torch.Tensor:
     fd, found = _open_regular(path, MAX_FILE_BYTES, follow_symlinks=False)
     if found != size:
         os.close(fd)
-        raise BundleError(f"{path}: {found} bytes, but the manifest says {size}: the file is corrupt or was modified "
-                          "(a copy cut short?). Recompile the bundle or copy it again.")
+        raise BundleError(f"{path}: {found} bytes, but the manifest says {size}: the file was cut short, grown, "
+                          "replaced or corrupted. Recompile the bundle or copy it again.")
     buffer = torch.empty(size, dtype=torch.uint8)
     view = memoryview(buffer.numpy())
     digest = hashlib.sha256()

@@ -148,8 +148,13 @@ def _check_signature(program, region, mutated: list[int], where: str):
     """The compiled program takes the manifest's inputs and returns the updated state (aliasing the
     inputs `mutated` names, in order) then the manifest's outputs, each of the spec's shape and
     dtype: read from its HLO module, before anything runs."""
-    (module,) = program.hlo_modules()
-    shape = xla_client.XlaComputation(module.as_serialized_hlo_module_proto()).program_shape()
+    try:
+        (module,) = program.hlo_modules()
+        shape = xla_client.XlaComputation(module.as_serialized_hlo_module_proto()).program_shape()
+    except Exception as err:  # (a plugin that cannot say, an executable of several modules)
+        raise BundleError(f"{where}: the executable's signature cannot be read ({type(err).__name__}: {_first_line(err)}), "
+                          "so it cannot be checked against the manifest before it runs. Recompile the bundle with this "
+                          "plugin.") from None
     results = shape.result_shape()
     got_in = [_spec(s) for s in shape.parameter_shapes()]
     got_out = [_spec(s) for s in (results.tuple_shapes() if results.is_tuple() else [results])]

@@ -250,9 +250,9 @@ def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, int) and abs(value) > 1 << 64:
-        raise bad(name, f"{str(value)[:40]}: give a finite number.")  # (a JSON integer may have any number of digits)
-    if not math.isfinite(value):
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 1 << 64:  # (JSON integers have no limit)
+        raise bad(name, f"an integer of {value.bit_length()} bits, past any float: give a finite number.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad(name, f"{value!r}: give a finite number.")
     return float(value)
 

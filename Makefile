@@ -1,5 +1,5 @@
 # make demo   set up, compile the trained tiny V3 (AOTInductor) and V4 (export), both with speculative decoding on, generate from both
-# make test   set up, then run the whole suite
+# make test   set up with the test extra, then run the whole suite
 # make serve  serve artifacts/tiny-code (compiled first if absent, here: its AOTInductor regions are allowed) over OpenAI's HTTP API on 127.0.0.1:8000
 # make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
 VENV := .venv
@@ -11,10 +11,16 @@ PIP_TORCH ?= torch==2.13.0
 
 setup: $(VENV)/.installed
 
-# torch==2.13.0 is the CPU build on this machine's disk; a bare `torch` would pull a CUDA build.
+# What compile, run and serve need. torch==2.13.0 is the CPU build on this machine's disk; a bare
+# `torch` would pull a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q $(PIP_TORCH)
+	$(VENV)/bin/pip install -q -e '.[serve]'
+	touch $@
+
+# The test extra on top: transformers, jax and torch-mlir, Ray, the clients the tests drive.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(VENV)/bin/pip install -q -e '.[serve,test]'
 	touch $@
 
@@ -26,7 +32,7 @@ demo: setup
 
 # Two test processes, a file each at a time (a module's compiled bundles stay in one process): most
 # tests keep one core busy (tracing, loading, one compile), so two halve the suite on 2 cores.
-test: setup
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 serve: setup

@@ -55,9 +55,10 @@ def compile_bundle(work: Path, backend: str) -> Path:
 
 
 def start_server(bundle: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """deepinfer-serve on a free port, its native regions allowed (a bundle this bench compiled)."""
+    """deepinfer-serve on a free port, its native regions allowed (a bundle this bench compiled); no access log
+    (nothing reads its stderr past the first line)."""
     server = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.serve.cli", "--bundle", str(bundle), "--port", "0",
-                               "--native-regions", "allow", *args], stderr=subprocess.PIPE, text=True)
+                               "--native-regions", "allow", "--no-access-log", *args], stderr=subprocess.PIPE, text=True)
     url = re.search(r"listening on (http://[\d.:]+)", server.stderr.readline()).group(1)
     return server, url
 

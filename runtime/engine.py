@@ -72,6 +72,7 @@ class Result:
     error: str = ""  # with finish_reason "error": what failed (this request only; the engine goes on)
     cached_tokens: int = 0  # prompt tokens whose state was reused (prefix caching), not prefilled
     ttft: float = 0.0  # seconds from submission to the first token
+    queue_time: float = 0.0  # seconds from submission to taking a sequence slot
     token_times: list[float] = field(default_factory=list)  # seconds from submission to each token
     decode_steps: int = 0  # decode steps that emitted its tokens after the first
     # With sampling.logprobs / prompt_logprobs: per generated token / per prompt token after the
@@ -267,6 +268,7 @@ class Engine:
         self.free_slots.remove(slot)
         self.cached.pop(slot, None)
         seq.slot, seq.prefilled = slot, reused
+        seq.result.queue_time = time.perf_counter() - seq.submitted
         if self.prefix_caching:  # (a running sequence holds a prefix of its prompt: other prompts may copy it)
             self.index.add(slot, seq.request.prompt_ids, seq.request.cache_salt)
         self.running.append(seq)

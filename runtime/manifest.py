@@ -333,6 +333,12 @@ def _verify_signature(bundle: Path, manifest: bytes, key: bytes):
                           "changed after it was signed, or signed with another key. Do not run it; recompile and sign it.")
 
 
+def not_a_bundle(bundle: Path) -> str:
+    """What to say of a directory without a manifest: the command that makes a bundle there."""
+    return (f"{Path(bundle) / 'manifest.json'}: no bundle here (no manifest.json). deepinfer-compile makes one from a "
+            f"recipe: `deepinfer-compile recipes/tiny.yaml --out {bundle}` (or your own recipe).")
+
+
 def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify_key: bytes | None = None) -> Manifest:
     """Read and verify a bundle: signature (with `verify_key`), magic, schema version, manifest
     checksum, types and ranges, paths, toolchain, every file (with `rank`, of the weight files
@@ -340,7 +346,7 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify
     bundle = Path(bundle)
     path = bundle / "manifest.json"
     if not os.path.lexists(path):
-        raise BundleError(f"{path}: no manifest.json. Is {bundle} a bundle written by deepinfer-compile?")
+        raise BundleError(not_a_bundle(bundle))
     raw = read_regular(path, MAX_MANIFEST_BYTES)
     if verify_key is not None:
         _verify_signature(bundle, raw, verify_key)

@@ -6,11 +6,14 @@ import asyncio
 import contextlib
 import hmac
 import json
+import sys
 import time
 import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,13 +41,18 @@ class OpenAIServer:
 
     def __init__(self, open_executor, model_name: str, max_queue: int, api_keys: tuple[str, ...] = (),
                  render_seconds: float = RENDER_SECONDS, body_seconds: float = 30.0, prefix_caching: bool = True,
-                 prefix_cache_per_key: bool = False):
+                 prefix_cache_per_key: bool = False, url: str = "", access_log: bool = True,
+                 allowed_origins: tuple[str, ...] = ()):
         """`api_keys`: the keys a client may send (none: no key asked); `prefix_cache_per_key`: each
-        key's requests share cached prompts only among themselves (the key salts them)."""
+        key's requests share cached prompts only among themselves (the key salts them); `url`: where
+        it listens (for the ready line); `access_log`: a line on stderr per request; `allowed_origins`:
+        the browser origins CORS lets call it ("*": any)."""
         self.open_executor, self.model_name, self.max_queue, self.api_keys = open_executor, model_name, max_queue, api_keys
         self.prefix_caching, self.prefix_cache_per_key = prefix_caching, prefix_cache_per_key
+        self.url, self.access_log = url, access_log
+        self.load_started = time.perf_counter()
         self.render_seconds, self.body_seconds = render_seconds, body_seconds
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
         self.engine_thread: EngineThread | None = None
         self.engine = None  # once loaded
         self.tokenizer = self.renderer = None
@@ -57,11 +65,15 @@ class OpenAIServer:
         self.app = Starlette(
             routes=[Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
                     Route("/v1/chat/completions", self._counted("chat", self.chat), methods=["POST"]),
-                    Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics_page),
+                    Route("/v1/models", self._counted("models", self.models)),
+                    Route("/v1/models/{model:path}", self._counted("models", self.model_card)),
+                    Route("/health", self.health), Route("/metrics", self.metrics_page),
                     Route("/tokenize", self._counted("tokenize", self.tokenize), methods=["POST"]),
                     Route("/detokenize", self._counted("detokenize", self.detokenize), methods=["POST"]),
                     Route("/version", self.version)],
             exception_handlers={APIError: _api_error, HTTPException: _http_error},
+            middleware=[Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                   allow_headers=["*"])] if allowed_origins else [],
             lifespan=self._lifespan)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -86,6 +98,9 @@ class OpenAIServer:
 
     def _ready(self, engine):
         self.engine = engine
+        regions = len(engine.executor.manifest.regions) if hasattr(engine.executor, "manifest") else 0
+        _say(f"ready: {self.url} serving {self.model_name!r} ({regions} regions, loaded in "
+             f"{time.perf_counter() - self.load_started:.1f} s)")
 
     def _fatal(self, message: str):
         self.failure = message
@@ -123,10 +138,22 @@ class OpenAIServer:
 
     async def models(self, request: HTTPRequest) -> Response:
         self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: HTTPRequest) -> Response:
+        """OpenAI's GET /v1/models/{model}."""
+        self._authorize(request)
+        model = request.path_params["model"]
+        if model != self.model_name:
+            raise APIError(404, f"The model {model!r} does not exist: this server serves {self.model_name!r}.",
+                           param="model", code="model_not_found")
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "deepinfer"}
         if self.engine is not None:
             card["max_model_len"] = self.engine.max_len
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
 
     async def tokenize(self, request: HTTPRequest) -> Response:
         """vLLM's: a prompt's (or a chat's, rendered by the template) token ids."""
@@ -167,14 +194,33 @@ class OpenAIServer:
 
     def _counted(self, name: str, endpoint):
         async def counted(request: HTTPRequest) -> Response:
+            start = time.perf_counter()
             try:
                 response = await endpoint(request)
             except APIError as err:
                 self.metrics.requests.labels(name, str(err.status)).inc()
+                self._log_access(request, err.status, start)
                 raise
             self.metrics.requests.labels(name, str(response.status_code)).inc()
+            reply = getattr(response, "reply", None)
+            if isinstance(response, _EventStream):  # (logged once the stream ends: its tokens are known then)
+                response.done = lambda: self._log_access(request, response.status_code, start, reply)
+            else:
+                self._log_access(request, response.status_code, start, reply)
             return response
         return counted
+
+    def _log_access(self, request: HTTPRequest, status: int, start: float, reply: "_Reply | None" = None):
+        """One line a request, as vLLM's users read uvicorn's: client, request line, status, then
+        the latency and, for a generation, its tokens."""
+        if not self.access_log:
+            return
+        client = f"{request.client.host}:{request.client.port}" if request.client else "-"
+        tokens = ""
+        if reply is not None:
+            usage = reply.usage()
+            tokens = f" prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
+        _say(f'{client} "{request.method} {request.url.path}" {status} {(time.perf_counter() - start) * 1000:.0f} ms{tokens}')
 
     async def _accept(self, request: HTTPRequest, parse) -> Generation:
         """The checks every generation request passes, in the order a client should hear of them:
@@ -268,7 +314,9 @@ class OpenAIServer:
             reply.echo_texts = [t for t in texts for _ in range(generation.n)]
         if generation.stream:
             return _EventStream(reply)
-        return JSONResponse(await reply.whole(http))
+        response = JSONResponse(await reply.whole(http))
+        response.reply = reply  # (for the access log)
+        return response
 
 
 class _EventStream(StreamingResponse):
@@ -278,12 +326,14 @@ class _EventStream(StreamingResponse):
     def __init__(self, reply: "_Reply"):
         super().__init__(reply.stream(), media_type="text/event-stream")
         self.reply = reply
+        self.done = lambda: None  # called once the stream ended (the access log)
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.reply.close()
+            self.done()
 
 
 class _Reply:
@@ -376,7 +426,7 @@ class _Reply:
         choices = [self._choice(i, self.texts[i], self.token_ids[i], self.logprobs[i], self.finish[i], whole=True)
                    for i in range(len(self.handles))]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_name,
-                "choices": choices, "usage": self._usage()}
+                "choices": choices, "usage": self.usage()}
 
     async def stream(self):
         """Server-sent events: chunks, then (stream_options.include_usage) usage, then [DONE]. With
@@ -384,7 +434,7 @@ class _Reply:
         def usage() -> dict:
             if not self.generation.include_usage:
                 return {}
-            return {"usage": self._usage() if self.generation.continuous_usage else None}
+            return {"usage": self.usage() if self.generation.continuous_usage else None}
 
         if self.chat:
             yield _event(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -397,7 +447,7 @@ class _Reply:
             yield _event(err.body())
         else:
             if self.generation.include_usage:
-                yield _event(self._chunk([], {"usage": self._usage()}))
+                yield _event(self._chunk([], {"usage": self.usage()}))
         yield "data: [DONE]\n\n"
 
     @property
@@ -447,7 +497,7 @@ class _Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name,
                 "choices": choices, **extra}
 
-    def _usage(self) -> dict:
+    def usage(self) -> dict:
         prompt = sum(len(h.request.prompt_ids) for h in self.handles[:: self.generation.n])  # (once per prompt)
         completion = sum(len(ids) for ids in self.token_ids)
         # OpenAI's prompt_tokens_details.cached_tokens: prompt tokens not prefilled (prefix caching), per prompt's first sequence.
@@ -508,3 +558,8 @@ async def _http_error(request: HTTPRequest, err: HTTPException) -> Response:
     what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
     return JSONResponse(APIError(err.status_code, what.get(err.status_code, err.detail)).body(), status_code=err.status_code,
                         headers=err.headers)
+
+
+def _say(line: str):
+    """A line of the server's log, on stderr (the command line's own lines are there too)."""
+    print(f"deepinfer-serve: {line}", file=sys.stderr, flush=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from ..errors import DeepinferError
-from ..manifest import peek_world_size
+from ..manifest import not_a_bundle, peek_world_size
 from ..trust import Trust, trust_options
 
 
@@ -46,9 +46,16 @@ from ..trust import Trust, trust_options
 @click.option("--prefix-cache-per-key", is_flag=True,
               help="share cached prompts only among requests of the same API key (each key salts the cache, as a "
                    "request's cache_salt does): one tenant cannot learn another's prompts from cache hits")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGIN",
+              help="a browser origin (https://app.example.com, or * for any) CORS lets call the API; repeatable "
+                   "[default: none, browsers on other origins are refused]")
+@click.option("--access-log/--no-access-log", default=True, show_default=True,
+              help="a line on stderr per request: client, request, status, latency, tokens")
+@click.option("--model", hidden=True, expose_value=False, callback=lambda ctx, param, value: _vllms_model(value),
+              help="vLLM's flag; see --bundle and --served-model-name")
 @trust_options(default="signed")
 def main(bundle, host, port, max_queue, api_keys, served_model_name, grace, request_timeout, prefix_caching,
-         prefix_cache_per_key, verify_key, native_regions):
+         prefix_cache_per_key, allowed_origins, access_log, verify_key, native_regions):
     """Serve a compiled bundle over OpenAI's HTTP API. A bundle of inductor, pjrt or neuron regions is
     machine code: by default it is served only when signed and verified (--verify-key); pass
     --native-regions allow for one you built yourself."""
@@ -75,8 +82,10 @@ def main(bundle, host, port, max_queue, api_keys, served_model_name, grace, requ
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return run_follower(bundle, trust)
+    if not (bundle / "manifest.json").is_file():  # a wrong path fails here, before the port is taken
+        raise click.ClickException(not_a_bundle(bundle))
     try:
-        peek_world_size(bundle)  # a wrong path or a foreign directory fails here, before the port is taken
+        peek_world_size(bundle)
     except DeepinferError as err:
         raise click.ClickException(str(err)) from None
     name = served_model_name or _recipe_name(bundle)
@@ -86,13 +95,15 @@ def main(bundle, host, port, max_queue, api_keys, served_model_name, grace, requ
         raise click.ClickException(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port "
                                    "(0 takes any free one).") from None
 
+    url = f"http://{host}:{sock.getsockname()[1]}"
     api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, trust, on_failure=lambda m: api.engine_thread.fail(m)),
                        name, max_queue, api_keys, body_seconds=request_timeout, prefix_caching=prefix_caching,
-                       prefix_cache_per_key=prefix_cache_per_key)
+                       prefix_cache_per_key=prefix_cache_per_key, url=url, access_log=access_log,
+                       allowed_origins=allowed_origins)
     config = uvicorn.Config(api.app, log_level="warning", lifespan="on", http=head_deadline_protocol(request_timeout))
     server = DrainingServer(config, api, grace)
-    click.echo(f"deepinfer-serve: listening on http://{host}:{sock.getsockname()[1]} (model {name!r}; loading {bundle})",
-               err=True)
+    click.echo(f"deepinfer-serve: listening on {url} (model {name!r}; loading {bundle}, /health answers 503 until "
+               "ready)", err=True)
     server.run(sockets=[sock])
     if api.failure is not None:
         click.echo(f"deepinfer-serve: {api.failure}", err=True)
@@ -104,6 +115,14 @@ def main(bundle, host, port, max_queue, api_keys, served_model_name, grace, requ
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _vllms_model(value):
+    if value is not None:
+        raise click.UsageError(
+            f"--model {value}: that is vLLM's flag for the model to load. deepinfer-serve serves a compiled bundle: "
+            "`deepinfer-serve --bundle DIR` (deepinfer-compile makes one from a recipe naming the checkpoint), and "
+            "`--served-model-name NAME` sets the name clients send (default: the recipe's name).")
 
 
 def _recipe_name(bundle: Path) -> str:

@@ -10,6 +10,7 @@ string seen) takes effect, at the next step boundary.
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..engine import Engine, Request, Sequence
@@ -103,7 +104,7 @@ class EngineThread:
             self.fail(f"loading the bundle failed: {type(err).__name__}: {err}")
             return
         self.loop.call_soon_threadsafe(self.on_ready, self.engine)
-        self.metrics.free_slots.set(self.engine.max_seqs)
+        self.metrics.scheduler(0, 0, self.engine.max_seqs, self.engine.max_seqs)
         try:
             while self._take_commands():
                 if self.engine.busy:
@@ -135,7 +136,7 @@ class EngineThread:
             if command == "submit":
                 handle.seq = self.engine.submit(handle.request, handle.seed)
                 self.handles.append(handle)
-                self.metrics.prompt_tokens.inc(len(handle.request.prompt_ids))
+                self.metrics.submitted(len(handle.request.prompt_ids))
             elif handle.seq is not None:
                 self.engine.cancel(handle.seq)
                 self._post([handle.seq])
@@ -146,22 +147,20 @@ class EngineThread:
             first, start = handle.posted < 0, max(handle.posted, 0)
             new = result.token_ids[start:]
             if start == 0 and new:
-                self.metrics.ttft.observe(result.ttft)
+                self.metrics.first_token(result.ttft)
             handle.posted = len(result.token_ids)
-            self.metrics.generation_tokens.inc(len(new))
+            self.metrics.generated(len(new))
             finish = result.finish_reason or None
             if finish:
                 self.handles.remove(handle)
-                if len(result.token_ids) > 1:
-                    self.metrics.tpot.observe(result.tpot)
+                self.metrics.finished(result, time.perf_counter() - handle.seq.submitted)
             event = Tokens(handle.index, new, finish, result.error, result.logprobs[start:],
                            result.prompt_logprobs if first else None)
             self.loop.call_soon_threadsafe(handle.events.put_nowait, event)
 
     def _publish(self):
-        self.metrics.running.set(len(self.engine.running))
-        self.metrics.waiting.set(len(self.engine.waiting))
-        self.metrics.free_slots.set(len(self.engine.free_slots))
+        self.metrics.scheduler(len(self.engine.running), len(self.engine.waiting), len(self.engine.free_slots),
+                               self.engine.max_seqs)
         if self.engine.speculative:
             self.metrics.speculation(self.engine.drafted, self.engine.accepted)
         engine = self.engine

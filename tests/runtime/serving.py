@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,11 +28,15 @@ class Served:
             self.process.kill()
             raise AssertionError(f"deepinfer-serve did not start: {line}{self.process.stderr.read()}")
         self.url = match.group(1)
+        self.log: list[str] = [line]  # its stderr, read as it comes (a full pipe would stall the server)
+        self.reader = threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True)
+        self.reader.start()
         deadline = time.monotonic() + 120
         while self.health()[0] != 200:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.process.kill()
-                raise AssertionError(f"deepinfer-serve did not become ready: {self.process.stderr.read()}")
+                self.reader.join(10)
+                raise AssertionError(f"deepinfer-serve did not become ready: {''.join(self.log)}")
             time.sleep(0.1)
 
     def health(self) -> tuple[int, dict]:
@@ -47,11 +52,12 @@ class Served:
         if sig is not None and self.process.poll() is None:
             self.process.send_signal(sig)
         try:
-            _, stderr = self.process.communicate(timeout=timeout)
+            self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
             raise
-        return self.process.returncode, stderr
+        self.reader.join(timeout)
+        return self.process.returncode, "".join(self.log)
 
     def children(self) -> list[int]:
         """The server's child processes (spawned followers), whichever of its threads started them."""

@@ -5,6 +5,7 @@ stop strings, cancellation on disconnect, a full queue."""
 import asyncio
 import http.client
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def reference(bundle):
 
 @pytest.fixture(scope="module")
 def server(bundle):
-    served = Served(bundle, "--max-queue", "64")
+    served = Served(bundle, "--max-queue", "64", "--allowed-origins", "http://app.example")
     yield served
     code, stderr = served.stop()
     assert code == 0, stderr
@@ -253,3 +254,74 @@ def test_a_full_queue_answers_429(bundle):
     finally:
         code, stderr = served.stop()
     assert code == 0, stderr
+
+
+# Every series vLLM's own Grafana dashboard queries (examples/observability/prometheus_grafana/grafana.json:
+# its panels' expressions, each filtered by model_name), and the label the dashboard's variable reads.
+VLLM_DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_sum",
+]
+
+
+def test_vllms_dashboard_finds_every_series_it_queries(server, client):
+    """After a few requests every series of vLLM's dashboard exists with model_name (the served
+    name), so the dashboard works unmodified; finish reasons are vLLM's."""
+    import urllib.request
+
+    client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+    client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0, stream=True).close()
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    found = {m.group(1) for m in re.finditer(r'^(vllm:\w+)\{[^}]*model_name="tiny"', text, re.M)}
+    assert set(VLLM_DASHBOARD_SERIES) <= found, sorted(set(VLLM_DASHBOARD_SERIES) - found)
+    reasons = set(re.findall(r'^vllm:request_success_total\{finished_reason="(\w+)"', text.replace('model_name="tiny",', ""), re.M))
+    assert reasons and reasons <= {"stop", "length", "abort"}, reasons
+
+
+def test_the_server_says_when_it_is_ready_and_logs_each_request(server, client):
+    client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
+    request("POST", f"{server.url}/v1/completions", {"prompt": "hi", "temperature": 7}, {"Authorization": f"Bearer {API_KEY}"})
+    time.sleep(0.5)  # (the log is read from its stderr as it comes)
+    log = "".join(server.log)
+    assert re.search(rf"deepinfer-serve: ready: {re.escape(server.url)} serving 'tiny' \(\d+ regions, loaded in [\d.]+ s\)", log), log
+    assert re.search(r'"POST /v1/completions" 200 \d+ ms prompt_tokens=2 completion_tokens=2', log), log
+    assert re.search(r'"POST /v1/completions" 400 \d+ ms', log), log
+
+
+def test_a_model_card_by_its_id(server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    status, card = request("GET", f"{server.url}/v1/models/tiny", None, auth)
+    assert status == 200 and card["id"] == "tiny" and card["object"] == "model", card
+    status, reply = request("GET", f"{server.url}/v1/models/gpt-4", None, auth)
+    assert status == 404 and reply["error"]["code"] == "model_not_found", reply
+
+
+def test_cors_lets_only_the_allowed_origins_call(server):
+    """The browser's preflight exchange: an allowed origin may POST with an Authorization header,
+    another origin is refused, and the actual reply names the allowed origin."""
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, reply = request("OPTIONS", f"{server.url}/v1/completions", None, preflight)
+    assert status == 200 and reply["_headers"]["access-control-allow-origin"] == "http://app.example", reply
+    assert "authorization" in reply["_headers"]["access-control-allow-headers"].lower()
+    status, reply = request("OPTIONS", f"{server.url}/v1/completions", None, {**preflight, "Origin": "http://evil.example"})
+    assert status == 400 and "access-control-allow-origin" not in reply["_headers"], reply
+    status, reply = request("POST", f"{server.url}/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                            {"Origin": "http://app.example", "Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and reply["_headers"]["access-control-allow-origin"] == "http://app.example", reply
+
+
+def test_what_a_vllm_user_types_first_gets_the_right_hint(tmp_path):
+    cli = [sys.executable, "-m", "deepinfer.runtime.serve.cli"]
+    out = subprocess.run([*cli, "--model", "deepseek-ai/DeepSeek-V3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "that is vLLM's flag" in out.stderr and "--served-model-name" in out.stderr, out.stderr
+    out = subprocess.run([*cli, "--bundle", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no bundle here" in out.stderr, out.stderr
+    assert f"deepinfer-compile recipes/tiny.yaml --out {tmp_path / 'nothing'}" in out.stderr

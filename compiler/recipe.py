@@ -251,6 +251,15 @@ def _sizes(listed: list, key: str, fail) -> list[int]:
     return sorted(listed)
 
 
+def _paths_of(key: str, schema: dict, prefix: str = ""):
+    """Where `key` is a recipe key: each dotted path ("the top level" for a top-level one)."""
+    for name, spec in schema.items():
+        if name == key:
+            yield f"{prefix}{name}" if prefix else f"the top level ({name}: ...)"
+        if isinstance(spec, dict):
+            yield from _paths_of(key, spec, f"{prefix}{name}.")
+
+
 def _contexts(sizes: list[int], max_len: int, key: str, fail) -> list[int]:
     """Context buckets end at kv.max_len, added when not listed: every sequence the pool holds
     must have a program."""
@@ -271,7 +280,9 @@ def _validate(raw: dict, schema: dict, prefix: str, fail) -> dict:
     """Check keys and types of one mapping against its schema; returns values with defaults."""
     for key in raw:
         if key not in schema:
-            fail(prefix + str(key), f"unknown key; expected one of {sorted(schema)}.")
+            elsewhere = list(_paths_of(str(key), SCHEMA))
+            where = f" `{key}` belongs at {' or '.join(elsewhere)} (see recipes/*.yaml)." if elsewhere else ""
+            fail(prefix + str(key), f"unknown key here; expected one of {sorted(schema)}.{where}")
     out = {}
     for key, spec in schema.items():
         dotted = prefix + key

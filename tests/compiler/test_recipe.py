@@ -35,6 +35,9 @@ backend: {name: export}
     "old, new, message",
     [
         ("backend:", "modle: {}\nbackend:", r":7: modle: unknown key"),
+        ("{config: {}}", "{config: {}, prompt_logprobs: true}",
+         r"model.prompt_logprobs: unknown key here; .* `prompt_logprobs` belongs at the top level \(prompt_logprobs: \.\.\.\)"),
+        ("max_seqs: 2", "max_seqs: 2, buckets: [1]", r"kv.buckets: unknown key here; .* belongs at methods.decode.buckets or"),
         ("max_seqs: 2", "max_seqs: four", r":6: kv.max_seqs: must be int, not str"),
         ("{config: {}}", "\n  config: {}\n  seed: true", r":4: model.seed: must be int, not bool"),
         ("buckets: [1]", "buckets: []", r":4: methods.decode.buckets: is empty"),

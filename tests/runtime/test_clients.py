@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 from tests.runtime.serving import Served
 
 CHECKPOINT = ROOT / "checkpoints" / "tiny-v3-code"
-MODEL = "code-score"
+MODEL = "tiny-code-eval"  # recipes/tiny-code-eval.yaml, as shipped
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
 
 
@@ -29,9 +29,8 @@ def bundle(tmp_path_factory, cache_dir):
     from deepinfer.compiler.recipe import load_recipe
 
     work = tmp_path_factory.mktemp("clients")
-    recipe = yaml.safe_load((ROOT / "recipes" / "tiny-code.yaml").read_text())
-    recipe.update(name=MODEL, backend={"name": "export"}, prompt_logprobs=True, output=str(work / MODEL),
-                  methods={"decode": {"buckets": [1, 4]}, "prefill": {"buckets": [64]}})
+    recipe = yaml.safe_load((ROOT / "recipes" / f"{MODEL}.yaml").read_text())
+    recipe.update(output=str(work / MODEL))
     recipe["model"]["checkpoint"] = str(CHECKPOINT)
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     return compile_recipe(load_recipe(work / "recipe.yaml"), cache_dir=cache_dir, progress=False).bundle

@@ -2,12 +2,13 @@
 # make test   set up with the test extra, then run the whole suite
 # make serve  serve artifacts/tiny-code (compiled first if absent, here: its AOTInductor regions are allowed) over OpenAI's HTTP API on 127.0.0.1:8000
 # make compile-all   compile every recipe in recipes/; bisect any that fails (reports under bisect/)
+# make docs   the pages under docs/ as a site in build/site (mkdocs-material; a broken link fails)
 VENV := .venv
 PY := $(VENV)/bin/python
 
 PIP_TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test serve compile-all
+.PHONY: setup demo test serve compile-all docs
 
 setup: $(VENV)/.installed
 
@@ -43,3 +44,7 @@ compile-all: setup
 	@status=0; for recipe in recipes/*.yaml; do \
 		$(VENV)/bin/deepinfer-compile $$recipe || { status=1; $(VENV)/bin/deepinfer-compile bisect $$recipe; }; \
 	done; exit $$status
+
+docs: $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e '.[docs]'
+	$(VENV)/bin/mkdocs build

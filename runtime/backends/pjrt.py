@@ -43,6 +43,7 @@ from jax._src.lib import xla_client
 
 from .. import knobs
 from ..errors import BundleError
+from ..manifest import TENSOR_DTYPES
 from ..weights import header_of, tensors_of
 
 NATIVE_CODE = True
@@ -184,11 +185,6 @@ def _aliases(module) -> dict[int, int]:
     return {int(output): int(parameter) for output, parameter in re.findall(r"\{(\d+)\}: \((\d+), \{\}", table)}
 
 
-_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16",
-                np.dtype(np.int64): "int64", np.dtype(np.int32): "int32", np.dtype(np.bool_): "bool",
-                np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn", np.dtype(np.uint8): "uint8"}
-
-
 def _spec(shape) -> tuple[list[int], str]:
     if shape.is_tuple():
         return [], "tuple"
@@ -277,3 +273,7 @@ def _from_host(array) -> torch.Tensor:
         np_carrier, dtype = _TORCH_OF[host.dtype]
         return torch.from_numpy(host.view(np_carrier)).view(dtype)
     return torch.from_numpy(host)
+
+
+# numpy dtype (as XLA reports an element type) -> the manifest's dtype name
+_DTYPE_NAMES = {_to_host(torch.empty(0, dtype=getattr(torch, name))).dtype: name for name in TENSOR_DTYPES}

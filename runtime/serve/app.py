@@ -26,13 +26,12 @@ from .chat import ChatTemplate
 from .engine_thread import EngineThread, Failed, Handle
 from .metrics import Metrics
 from ..versions import toolchain_versions
-from .protocol import (APIError, Generation, bad, message_text, not_unicode, parse_chat, parse_completion, parse_detokenize,
+from .protocol import (FINISH_REASONS, APIError, Generation, bad, message_text, not_unicode, parse_chat, parse_completion, parse_detokenize,
                        parse_tokenize)
 from .template_worker import RENDER_SECONDS, TemplateRenderer
 from .text import TextStream
 
 MAX_BODY_BYTES = 4 << 20
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_tokens": "length", "context": "length"}
 
 
 class OpenAIServer:
@@ -98,8 +97,7 @@ class OpenAIServer:
 
     def _ready(self, engine):
         self.engine = engine
-        regions = len(engine.executor.manifest.regions) if hasattr(engine.executor, "manifest") else 0
-        _say(f"ready: {self.url} serving {self.model_name!r} ({regions} regions, loaded in "
+        _say(f"ready: {self.url} serving {self.model_name!r} ({len(engine.executor.manifest.regions)} regions, loaded in "
              f"{time.perf_counter() - self.load_started:.1f} s)")
 
     def _fatal(self, message: str):
@@ -157,7 +155,7 @@ class OpenAIServer:
 
     async def tokenize(self, request: HTTPRequest) -> Response:
         """vLLM's: a prompt's (or a chat's, rendered by the template) token ids."""
-        body = await self._body(request)
+        _, body = await self._body(request)
         prompt, messages, add_special_tokens = parse_tokenize(body)
         self._check_model(body)
         self._check_available()
@@ -170,7 +168,7 @@ class OpenAIServer:
 
     async def detokenize(self, request: HTTPRequest) -> Response:
         """vLLM's: token ids back to text."""
-        body = await self._body(request)
+        _, body = await self._body(request)
         self._check_model(body)
         self._check_available()
         return JSONResponse({"prompt": self.tokenizer.decode(parse_detokenize(body, self.engine.vocab_size))})
@@ -225,8 +223,7 @@ class OpenAIServer:
     async def _accept(self, request: HTTPRequest, parse) -> Generation:
         """The checks every generation request passes, in the order a client should hear of them:
         key, body, parameters, model, then whether the engine can take it."""
-        key = self._authorize(request)
-        body = await _json_body(request, self.body_seconds)
+        key, body = await self._body(request)
         generation = parse(body)
         if self.prefix_cache_per_key:  # (the key's index: salts of different keys never coincide)
             generation.cache_salt = f"{key}\0{generation.cache_salt}"
@@ -234,9 +231,10 @@ class OpenAIServer:
         self._check_available()
         return generation
 
-    async def _body(self, request: HTTPRequest) -> dict:
-        self._authorize(request)
-        return await _json_body(request, self.body_seconds)
+    async def _body(self, request: HTTPRequest) -> tuple[int | None, dict]:
+        """(the index of the API key it sent, the JSON body), the key checked first."""
+        key = self._authorize(request)
+        return key, await _json_body(request, self.body_seconds)
 
     def _authorize(self, request: HTTPRequest) -> int | None:
         """The index of the API key the request sent (None: the server asks for none)."""

@@ -10,13 +10,13 @@ import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .protocol import FINISH_REASONS
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                    960.0, 1920.0, 7680.0)  # (vLLM's, for whole requests)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000, 500000,
                  1000000)
-VLLM_FINISHED = {"eos": "stop", "stop_token": "stop", "stop": "stop", "max_tokens": "length", "context": "length",
-                 "cancelled": "abort", "error": "abort"}
 
 
 class Metrics:
@@ -86,7 +86,7 @@ class Metrics:
             v.tpot.observe(result.tpot)
         for before, after in zip(result.token_times, result.token_times[1:]):
             v.inter_token.observe(after - before)
-        v.success(finished_reason=VLLM_FINISHED.get(result.finish_reason, "abort")).inc()
+        v.success(finished_reason=FINISH_REASONS.get(result.finish_reason, "abort"))  # (cancelled, error).inc()
         v.e2e.observe(seconds)
         v.queue.observe(result.queue_time)
         if result.token_times:  # (prefill: slot to first token; decode: first token to last)

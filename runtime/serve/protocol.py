@@ -25,6 +25,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
 COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_N = 16  # choices per prompt
+# The engine's finish reasons as OpenAI's finish_reason (and vLLM's finished_reason metric label).
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_tokens": "length", "context": "length"}
 
 
 class APIError(Exception):

@@ -37,12 +37,12 @@ from .versions import toolchain_versions
 
 def open_bundle(bundle: Path, under_torchrun: bool, trust: Trust = Trust(), on_failure=None):
     """A single-rank executor, or for a multi-rank bundle the leader of its follower ranks
-    (`on_failure`: see Leader)."""
+    (`on_failure`: see Leader); rank 0's load shows a progress bar on stderr."""
     from .executor import BundleExecutor
 
     if peek_world_size(bundle) == 1:
-        return BundleExecutor(bundle, trust=trust)
-    return Leader(bundle, torchrun=under_torchrun, trust=trust, on_failure=on_failure)
+        return BundleExecutor(bundle, trust=trust, progress=True)
+    return Leader(bundle, torchrun=under_torchrun, trust=trust, on_failure=on_failure, progress=True)
 
 
 def parse_ids(text: str) -> list[int]:

@@ -7,6 +7,7 @@ costs one list comprehension and the backend call.
 """
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -40,13 +41,16 @@ class _Plan:
 
 
 class BundleExecutor:
-    def __init__(self, bundle: str | Path, rank: int = 0, trust: Trust = Trust()):
-        """`trust`: what this deployment accepts (a deploy key the signature must match, native code)."""
+    def __init__(self, bundle: str | Path, rank: int = 0, trust: Trust = Trust(), progress: bool = False):
+        """`trust`: what this deployment accepts (a deploy key the signature must match, native code);
+        `progress`: a progress bar on stderr over the bytes of weights and regions loaded."""
         keep_freed_memory()  # the next step reuses what this one frees, instead of faulting fresh pages in
         self.bundle = Path(bundle)
         self.manifest, loaders = admit(self.bundle, rank, trust)
         m = self.manifest
-        self.files = BundleFiles(self.bundle, m.files, m.sizes)  # every file is read through this: hashed as read
+        bar = _loading_bar(m, rank) if progress else None
+        # Every file is read through this: hashed as read.
+        self.files = BundleFiles(self.bundle, m.files, m.sizes, on_read=bar.update if bar else None)
         self.rank = rank
         weights = tensors_of(self.files.tensor(m.weight_files[rank]), str(self.bundle / m.weight_files[rank]))
         self.state = self._allocate_state()
@@ -63,6 +67,8 @@ class BundleExecutor:
             self._check_shapes(key, program, fixed[key])
         functions = {fp: loaders[fp].load(self.files.bytes(r.file), r, str(self.bundle / r.file)) for fp, r in m.regions.items()}
         self.plans = {key: self._resolve(key, program, functions, fixed[key]) for key, program in m.programs.items()}
+        if bar:
+            bar.close()
         self.host_seconds: dict[str, float] | None = {} if knobs.host_timing() else None
         self.trace_events: list | None = [] if knobs.region_trace_path() else None
 
@@ -186,6 +192,15 @@ class BundleExecutor:
     def write_trace(self, path: Path):
         """Chrome trace format (load it in Perfetto or chrome://tracing)."""
         Path(path).write_text(json.dumps({"traceEvents": self.trace_events, "displayTimeUnit": "ms"}))
+
+
+def _loading_bar(m, rank: int):
+    """A bar over the bytes rank `rank` reads at load: its weights, then every region."""
+    from tqdm import tqdm
+
+    files = [m.weight_files[rank], *(r.file for r in m.regions.values())]
+    return tqdm(total=sum(m.sizes[f] for f in files), unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                desc=f"loading {m.name}: weights and {len(m.regions)} regions", mininterval=0.5)
 
 
 def _collective_output(spec: dict, value: tuple[list[int], str], where: str) -> tuple[list[int], str]:

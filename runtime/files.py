@@ -50,9 +50,10 @@ def read_regular(path: Path, max_bytes: int, follow_symlinks: bool = False, advi
     return data
 
 
-def read_verified(path: Path, sha256: str, size: int) -> torch.Tensor:
+def read_verified(path: Path, sha256: str, size: int, on_read=None) -> torch.Tensor:
     """The file as a uint8 tensor (one buffer, no copy), if it is `size` bytes (checked before
-    anything is allocated or read: a file grown to a terabyte costs nothing) that hash to `sha256`."""
+    anything is allocated or read: a file grown to a terabyte costs nothing) that hash to `sha256`.
+    `on_read(n)` is told each chunk's bytes as they come (a progress bar)."""
     fd, found = _open_regular(path, MAX_FILE_BYTES, follow_symlinks=False)
     if found != size:
         os.close(fd)
@@ -69,6 +70,8 @@ def read_verified(path: Path, sha256: str, size: int) -> torch.Tensor:
                 break
             digest.update(view[done : done + n])
             done += n
+            if on_read:
+                on_read(n)
         grew = f.read(1)
     if done != size or grew or digest.hexdigest() != sha256:
         raise BundleError(f"{path}: checksum mismatch, the file is corrupt or was modified. Recompile the bundle or copy it again.")
@@ -77,14 +80,14 @@ def read_verified(path: Path, sha256: str, size: int) -> torch.Tensor:
 
 class BundleFiles:
     """A bundle's files for use, by their path in the manifest: each read once, its size compared
-    with the manifest's before it is read and its sha256 as it is read."""
+    with the manifest's before it is read and its sha256 as it is read (`on_read`: read_verified's)."""
 
-    def __init__(self, bundle: Path, sha256: dict[str, str], sizes: dict[str, int]):
-        self.bundle, self.sha256, self.sizes = Path(bundle), sha256, sizes
+    def __init__(self, bundle: Path, sha256: dict[str, str], sizes: dict[str, int], on_read=None):
+        self.bundle, self.sha256, self.sizes, self.on_read = Path(bundle), sha256, sizes, on_read
 
     def tensor(self, rel: str) -> torch.Tensor:
         """uint8 [file bytes] (the weights: viewed in place, never copied)."""
-        return read_verified(self.bundle / rel, self.sha256[rel], self.sizes[rel])
+        return read_verified(self.bundle / rel, self.sha256[rel], self.sizes[rel], self.on_read)
 
     def bytes(self, rel: str) -> bytes:
         return self.tensor(rel).numpy().tobytes()

@@ -129,9 +129,10 @@ class Leader:
     output to unnamed temporary files: nothing of the job is left in /dev/shm or the temp dir,
     however it ends."""
 
-    def __init__(self, bundle: Path, torchrun: bool = False, trust: Trust = Trust(), on_failure=None):
+    def __init__(self, bundle: Path, torchrun: bool = False, trust: Trust = Trust(), on_failure=None, progress: bool = False):
         """`on_failure(message)`, called on the watchdog thread once the followers are killed, replaces
-        the default exit(1) when a follower dies (the server fails its requests first)."""
+        the default exit(1) when a follower dies (the server fails its requests first); `progress`:
+        rank 0's load shows a progress bar."""
         self.bundle = Path(bundle)
         self.on_failure = on_failure
         self.followers: list[subprocess.Popen] = []
@@ -163,7 +164,7 @@ class Leader:
                 self._spawn(addr, port, trust)
                 self.watchdog = threading.Thread(target=self._watch, daemon=True)
                 self.watchdog.start()
-            self.executor = BundleExecutor(self.bundle, 0, trust)
+            self.executor = BundleExecutor(self.bundle, 0, trust, progress)
             self.relays = join(self.executor, 0, self.world_size, addr, port)
         except BaseException:
             self.shutdown(kill=True)

@@ -82,34 +82,24 @@ def test_guidellm_benchmarks_a_stream(server, tmp_path):
         assert metrics["output_token_count"]["successful"]["mean"] == 24
 
 
-QUESTIONS = [
-    ("def add(a, b):\n    return", [" a + b", " a - b", " None"]),
-    ("for i in range(10):\n    print(", ["i)", "x)", "]"]),
-    ("import os\nimport", [" sys", " os", " the"]),
-    ("class Foo:\n    def __init__(self", ["):", "]:", " +"]),
-    ("if __name__ == '__main__':\n   ", [" main()", " return", " }"]),
-]
+LM_EVAL_TASK = ROOT / "examples" / "lm-eval"  # the multiple-choice task docs/serving.md runs with lm_eval's CLI
 
 
-def test_lm_eval_loglikelihoods_are_transformers(server, transformers_model, tmp_path):
-    """lm-eval's local-completions (echo, logprobs, max_tokens 1) on a task from a local JSON file."""
+def test_lm_eval_loglikelihoods_are_transformers(server, transformers_model, monkeypatch):
+    """lm-eval's local-completions (echo, logprobs, max_tokens 1) on the shipped task (local JSON lines)."""
     import lm_eval
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
     os.environ.update(OFFLINE)
-    data = tmp_path / "questions.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": 0}) + "\n" for q, c in QUESTIONS))
-    (tmp_path / "code_mc.yaml").write_text(yaml.safe_dump({
-        "task": "deepinfer_code_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}",
-        "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "metric_list": [{"metric": "acc"}]}))
+    monkeypatch.chdir(ROOT)  # (the task names its data file from the repository's root)
+    questions = [json.loads(line) for line in (LM_EVAL_TASK / "code_mc.jsonl").read_text().splitlines()]
     lm = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, tokenizer=str(CHECKPOINT),
                              tokenizer_backend="huggingface", max_retries=1)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["deepinfer_code_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+    results = lm_eval.simple_evaluate(model=lm, tasks=["deepinfer_code_mc"], task_manager=TaskManager(include_path=str(LM_EVAL_TASK)),
                                       log_samples=True)
     samples = results["samples"]["deepinfer_code_mc"]
-    assert len(samples) == len(QUESTIONS)
+    assert len(samples) == len(questions)
     compared = 0
     for sample in samples:
         for (context, continuation), [(loglikelihood, is_greedy)] in zip(sample["arguments"], sample["resps"]):
@@ -121,7 +111,7 @@ def test_lm_eval_loglikelihoods_are_transformers(server, transformers_model, tmp
             assert loglikelihood == pytest.approx(want, abs=1e-4)
             assert is_greedy == bool((rows.argmax(-1) == torch.tensor(continuation_ids)).all())
             compared += 1
-    assert compared == sum(len(c) for _, c in QUESTIONS)
+    assert compared == sum(len(q["choices"]) for q in questions)
     assert 0 <= results["results"]["deepinfer_code_mc"]["acc,none"] <= 1
 
 

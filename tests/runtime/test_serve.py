@@ -285,11 +285,13 @@ def test_vllms_dashboard_finds_every_series_it_queries(server, client):
     assert reasons and reasons <= {"stop", "length", "abort"}, reasons
 
 
-def test_the_server_says_when_it_is_ready_and_logs_each_request(server, client):
+def test_the_server_shows_its_load_says_when_it_is_ready_and_logs_each_request(server, client):
     client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
     request("POST", f"{server.url}/v1/completions", {"prompt": "hi", "temperature": 7}, {"Authorization": f"Bearer {API_KEY}"})
     time.sleep(0.5)  # (the log is read from its stderr as it comes)
     log = "".join(server.log)
+    loading, ready = log.index("loading tiny: weights and "), log.index("deepinfer-serve: ready")
+    assert loading < log.index("100%", loading) < ready, log  # a progress bar over the load, then ready
     assert re.search(rf"deepinfer-serve: ready: {re.escape(server.url)} serving 'tiny' \(\d+ regions, loaded in [\d.]+ s\)", log), log
     assert re.search(r'"POST /v1/completions" 200 \d+ ms prompt_tokens=2 completion_tokens=2', log), log
     assert re.search(r'"POST /v1/completions" 400 \d+ ms', log), log

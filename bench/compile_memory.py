@@ -45,12 +45,12 @@ def memory() -> dict[str, int]:
 
 def measure_writing(recipe_path: Path, out: Path) -> dict[str, int]:
     """Peak growth (MiB) of each field while the weights of `recipe_path` are written to `out`."""
-    from deepinfer.compiler import build
+    from deepinfer.compiler.build import weight_writer
+    from deepinfer.compiler.plan import plan
     from deepinfer.compiler.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
-    plan = build.plan(recipe)
-    write = build.weight_writer(recipe, plan.weight_names, build.recipe_layout(recipe))
+    write = weight_writer(recipe, plan(recipe))
     before, peak, done = memory(), memory(), threading.Event()
 
     def sample():

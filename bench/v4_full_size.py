@@ -34,7 +34,7 @@ MODELS = {
 
 TRACE = """
 import json, resource, sys, time
-from deepinfer.compiler.build import plan
+from deepinfer.compiler.plan import plan
 from deepinfer.compiler.recipe import load_recipe
 start = time.perf_counter()
 p = plan(load_recipe(sys.argv[1]))

@@ -30,7 +30,8 @@ from torch import fx
 
 from . import recipe_yaml
 from .backends import backend_module
-from .build import Plan, compile_regions, plan
+from .build import compile_regions
+from .plan import Plan, plan
 from .cache import CompileCache
 from .pool import LOCAL, Executor, Job, JobResult
 from .recipe import Recipe, RecipeError

@@ -84,7 +84,8 @@ def _locked(path: Path, out: Path) -> int:
 
 def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], write_weights,
                  extra_files: dict[str, bytes], sign_key: bytes | None = None) -> Path:
-    """`write_weights(directory)` writes the manifest's weight files into `directory`;
+    """`write_weights(directory)` writes the manifest's weight files into `directory` (None: a
+    bundle without weights, --no-weights);
     `extra_files` (name -> content) are the tokenizer files the manifest names; with
     `sign_key` the manifest (which lists every file's sha256) is signed with it."""
     out = Path(out)
@@ -96,7 +97,8 @@ def write_bundle(out: Path, manifest: Manifest, region_files: dict[str, Path], w
         (staging / "weights").mkdir()
         for fingerprint, region in manifest.regions.items():
             shutil.copyfile(region_files[fingerprint], staging / region.file)
-        write_weights(staging / "weights")
+        if write_weights is not None:
+            write_weights(staging / "weights")
         for name, content in extra_files.items():
             (staging / name).write_bytes(content)
         written = [p for p in sorted(staging.rglob("*")) if p.is_file()]

@@ -3,11 +3,14 @@
     deepinfer-compile recipes/tiny.yaml                      # -> artifacts/tiny
     deepinfer-compile recipes/tiny.yaml --backend export --out /tmp/tiny --jobs 4 --timeout 600
     deepinfer-compile plan recipes/full-size/deepseek-v3-671b.yaml     # what it needs per rank; compiles nothing
+    deepinfer-compile recipes/full-size/deepseek-v3-671b.yaml --no-weights   # from config.json alone
+    deepinfer-compile weights artifacts/deepseek-v3-671b --checkpoint DIR --ranks 0-7   # then the weights
 
 Prints a progress bar over the regions and a summary line; exits 2 on a bad recipe, 1 when a
 region fails to compile (with a per-region report, and no bundle written).
 """
 
+import contextlib
 import os
 import sys
 
@@ -26,6 +29,19 @@ def exit_now(code: int):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def reported(command: str, interrupted: str):
+    """An error as its one paragraph and exit code; Ctrl-C as `interrupted` (what is kept) and exit 130."""
+    try:
+        yield
+    except DeepinferError as err:
+        click.echo(f"{command}: {err}", err=True)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        click.echo(f"{command}: {interrupted}", err=True)
+        exit_now(130)
 
 
 class DefaultGroup(click.Group):
@@ -69,7 +85,9 @@ def main():
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="where region compiles run: this machine, or Ray tasks (pip install 'deepinfer[ray]')")
 @click.option("--ray-address", help="a running Ray cluster (HOST:PORT or auto); default: start one on this machine")
-def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key, executor, ray_address):
+@click.option("--no-weights", is_flag=True,
+              help="compile from the checkpoint's config.json alone; `deepinfer-compile weights` adds the weights later")
+def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key, executor, ray_address, no_weights):
     """Compile RECIPE (YAML) into a bundle: trace, split, compile each unique region once, write
     the bundle. Exits 2 on a bad recipe, 1 when a region fails (with a report per region), 130 on
     Ctrl-C (regions that finished stay cached; rerun to continue)."""
@@ -79,18 +97,36 @@ def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key, executor, ra
 
     from deepinfer.runtime.manifest import read_key
 
-    try:
+    with reported("deepinfer-compile", "interrupted; every worker was stopped, regions that finished are cached (run "
+                  "the same command again to continue), and no bundle was written."):
         key = read_key(sign_key) if sign_key else None
         summary = compile_recipe(load_recipe(recipe, backend=backend, output=out), jobs=jobs, cache_dir=cache_dir,
-                                 timeout=timeout, sign_key=key, executor=Executor(executor, ray_address))
-    except DeepinferError as err:
-        click.echo(f"deepinfer-compile: {err}", err=True)
-        sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        click.echo("deepinfer-compile: interrupted; every worker was stopped, regions that finished are cached "
-                   "(run the same command again to continue), and no bundle was written.", err=True)
-        exit_now(130)
+                                 timeout=timeout, sign_key=key, executor=Executor(executor, ray_address),
+                                 weights=not no_weights)
     click.echo(f"compiled {summary}")
+    if no_weights:
+        click.echo(f"no weights yet: add them with `deepinfer-compile weights {summary.bundle} --checkpoint DIR`")
+
+
+@main.command("weights", context_settings=HELP)
+@click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False),
+              help="the HF checkpoint directory (config.json + *.safetensors) the bundle was compiled for")
+@click.option("--ranks", help="only these ranks' files, e.g. 0-7 (each host writes its own); default: every rank")
+@click.option("--sign-key", type=click.Path(dir_okay=False), help="deploy key file: sign the completed manifest again")
+def weights_command(bundle, checkpoint, ranks, sign_key):
+    """Stream a checkpoint's weights into BUNDLE's per-rank files (a bundle compiled --no-weights),
+    one tensor at a time. Resumable: files already whole are kept. Exits 2 when the checkpoint is
+    not the bundle's model (nothing is written then), 130 on Ctrl-C."""
+    from deepinfer.runtime.manifest import read_key
+
+    from .add_weights import add_weights, parse_ranks
+
+    with reported("deepinfer-compile weights", "interrupted; files already whole are recorded in the manifest, and the "
+                  "same command writes the rest."):
+        key = read_key(sign_key) if sign_key else None
+        written = add_weights(bundle, checkpoint, parse_ranks(ranks) if ranks else None, key)
+    click.echo(f"wrote the weights of {len(written)} rank(s) into {bundle}" if written else f"{bundle}: its weights were already whole")
 
 
 @main.command("plan", context_settings=HELP)

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .build import Plan, compute_note, plan, recipe_layout, state_bytes, weight_specs
+from .plan import Plan, compute_note, plan, state_bytes
 from .recipe import Recipe, RecipeError
+from .weights import file_bytes
 
 GIB = 1 << 30
 
@@ -34,8 +35,7 @@ class RankFootprint:
 
 def rank_footprint(recipe: Recipe, the_plan: Plan) -> RankFootprint:
     """One rank's needs; every rank's are the same (shards are even, the graph is shared)."""
-    specs = weight_specs(recipe, the_plan.weight_names, recipe_layout(recipe))
-    weights = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in specs)
+    weights = file_bytes(the_plan.weights)
     pool = state_bytes(the_plan.state)
     size, where = largest_activation(the_plan)
     return RankFootprint(weights, pool, pool // (recipe.kv["max_seqs"] + 1), size, where)

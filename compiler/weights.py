@@ -1,21 +1,34 @@
 """Per-rank weight files, streamed: each tensor is read (only this rank's slice of it) and written
-before the next is read, so neither the checkpoint nor a rank's shard is ever whole in memory."""
+before the next is read, so neither the checkpoint nor a rank's shard is ever whole in memory.
+The one-step compile and the weights step (`deepinfer-compile weights`) both write through here.
 
+A reader is `read_slice(name, rank) -> tensor`: rank's slice of weight `name`, as the bundle stores
+it (the spec's shape and dtype)."""
+
+import hashlib
 import json
 import struct
 from pathlib import Path
 
 import torch
 
-from deepinfer.models.parallel import Layout, rank_buffers
+from deepinfer.models import read_weight, stored_dtype
+from deepinfer.models.checkpoint import SafetensorsDir
+from deepinfer.models.parallel import Layout, rank_buffers, shard
+from deepinfer.models.quantization import SCALE_SUFFIX
+
+from . import trace
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
                       torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
 
+Specs = list[tuple[str, list[int], torch.dtype]]  # (name, shape, dtype) of each tensor, in file order
 
-def write_safetensors(path: Path, specs: list[tuple[str, list[int], torch.dtype]], tensor_of):
+
+def write_safetensors(path: Path, specs: Specs, tensor_of, on_written=None) -> str:
     """A safetensors file whose header is computed from `specs` up front; `tensor_of(name)` is
-    then called once per tensor, in order, and its bytes written straight to disk."""
+    then called once per tensor, in order, and its bytes written straight to disk (and hashed as
+    written; `on_written(n)` is told each tensor's bytes). Returns the file's sha256."""
     header, offset = {}, 0
     for name, shape, dtype in specs:
         size = torch.Size(shape).numel() * dtype.itemsize
@@ -23,25 +36,77 @@ def write_safetensors(path: Path, specs: list[tuple[str, list[int], torch.dtype]
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * ((-len(blob)) % 8)
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        for chunk in (struct.pack("<Q", len(blob)), blob):
+            f.write(chunk)
+            digest.update(chunk)
         for name, shape, dtype in specs:
             tensor = tensor_of(name)
             if list(tensor.shape) != list(shape) or tensor.dtype != dtype:
                 raise ValueError(f"{path}: {name} is {list(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}")
-            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(data)
+            digest.update(data)
+            if on_written:
+                on_written(data.nbytes)
+    return digest.hexdigest()
 
 
-def write_rank_files(directory: Path, specs, layout: Layout, config, read_slice):
-    """weights/rank-<r>.safetensors for every rank. `specs` are the shard shapes (the same on every
-    rank); `read_slice(name, rank)` gives rank's slice of a weight; layout buffers come from
-    models.parallel.rank_buffers."""
+def file_bytes(specs: Specs) -> int:
+    """The tensor bytes of a file of `specs` (its header aside)."""
+    return sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in specs)
+
+
+def write_rank_file(path: Path, rank: int, specs: Specs, layout: Layout, config, read_slice, on_written=None) -> str:
+    """weights/rank-<rank>.safetensors; layout buffers come from models.parallel.rank_buffers."""
+    buffers = rank_buffers(layout, config, rank)
+
+    def tensor_of(name):
+        leaf = name.rpartition(".")[2]
+        return buffers[leaf] if leaf in buffers else read_slice(name, rank)
+
+    return write_safetensors(path, specs, tensor_of, on_written)
+
+
+def write_rank_files(directory: Path, specs: Specs, layout: Layout, config, read_slice):
+    """Every rank's file (the one-step compile)."""
     for rank in range(layout.world_size):
-        buffers = rank_buffers(layout, config, rank)
+        write_rank_file(Path(directory) / f"rank-{rank}.safetensors", rank, specs, layout, config, read_slice)
 
-        def tensor_of(name, rank=rank, buffers=buffers):
-            leaf = name.rpartition(".")[2]
-            return buffers[leaf] if leaf in buffers else read_slice(name, rank)
 
-        write_safetensors(Path(directory) / f"rank-{rank}.safetensors", specs, tensor_of)
+def checkpoint_reader(checkpoint: Path, full, layout: Layout, dtype: torch.dtype):
+    """Slices read from an HF checkpoint against `full` (the model's meta tensors of full shapes;
+    its derived buffers, rope frequencies, are real): only each rank's slice is read."""
+    weights = SafetensorsDir(Path(checkpoint))
+    derived = dict(full.named_buffers())
+
+    def read_slice(name, rank):
+        if name in derived:
+            return derived[name]
+        shape = tuple(trace.tensor_at(full, name).shape)
+        split = layout.split(name)
+        part = None
+        if split:
+            size = shape[split[0]] // split[1]
+            part = (split[0], layout.shard_index(name, rank) * size, size)
+        return read_weight(weights, full, name, part).to(stored_dtype(full, name, dtype))
+
+    return read_slice
+
+
+def model_reader(model, layout: Layout):
+    """Slices cut from a model in memory (a config + seed recipe's random weights)."""
+    return lambda name, rank: shard(name, trace.tensor_at(model, name), layout, rank)
+
+
+def transformed(read_slice, transform, full):
+    """Each slice through a backend's `transform_weight(name, tensor, scales_for)` (scales_for: the
+    dtype of the weight a scale belongs to, for scale tensors)."""
+
+    def read(name, rank):
+        scaled = name.removesuffix(SCALE_SUFFIX)
+        scales_for = full.get_parameter(scaled).dtype if scaled != name else None
+        return transform(name, read_slice(name, rank), scales_for)
+
+    return read

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .errors import DeepinferError
+from .errors import BundleError, DeepinferError
 from .executor import BundleExecutor, admit
 from .lifetime import die_with_parent
-from .manifest import peek_world_size, sha256_file
+from .manifest import peek_world_size, sha256_file, weights_missing
 from .shm_ring import SHM_DIR, ShmRing
 from .step import Step, encode, payload_words
 from .trust import Trust
@@ -150,6 +150,10 @@ class Leader:
             torch.set_num_threads(int(self.threads))
         self.manifest, _ = admit(self.bundle, 0, trust)
         self.world_size = self.manifest.parallel["world_size"]
+        if not torchrun:  # every rank runs from this host's bundle: all its weights must be there
+            for rank in range(1, self.world_size):
+                if self.manifest.weight_files[rank] not in self.manifest.files:
+                    raise BundleError(weights_missing(self.bundle, self.manifest, rank))
         self.max_bucket = max_bucket(self.manifest)
         if torchrun:
             self.ring = create_host_ring(host_position(0, self.world_size)[2] - 1, self.max_bucket)

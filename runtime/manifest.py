@@ -101,6 +101,15 @@ class StateTensor:
 
 
 @dataclass
+class WeightTensor:
+    """One tensor of a rank's weight file (every rank's file holds the same names and shapes)."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
 class Manifest:
     name: str
     recipe: dict
@@ -124,6 +133,9 @@ class Manifest:
     speculative: int = 0  # draft tokens a decode step verifies (MTP speculative decoding; 0: off)
     prompt_logprobs: int = 0  # top tokens a score program returns per prompt position (0: no score programs)
     sizes: dict[str, int] = field(default_factory=dict)  # relative path -> bytes, for every file in `files`
+    # What each rank's weight file holds, in order. A bundle compiled --no-weights has these and
+    # not (yet) the files: `deepinfer-compile weights` adds them, listing each in files and sizes.
+    weight_specs: list[WeightTensor] = field(default_factory=list)
 
     def state_tensors(self) -> dict[str, TensorSpec]:
         """Every state tensor the runtime allocates, by the name programs use."""
@@ -270,8 +282,11 @@ def check_manifest(m: Manifest, where: str):
         if not _inside(rel):
             bad(f"file {rel!r} is not a plain relative path inside the bundle")
     for rel in referenced:
-        if rel not in m.files:
+        if rel not in m.files and not (rel in m.weight_files and m.weight_specs):  # (weights yet to be added)
             bad(f"{rel} is used but has no sha256 in files")
+    if any(s.dtype not in TENSOR_DTYPES or not all(isinstance(n, int) and 0 <= n < 1 << 40 for n in s.shape)
+           for s in m.weight_specs):
+        bad(f"weight_specs must give each tensor's shape and one of the dtypes {TENSOR_DTYPES}")
     if set(m.sizes) != set(m.files) or not all(0 <= n <= MAX_FILE_BYTES for n in m.sizes.values()):
         bad("sizes must give the byte size (up to 1 TiB) of every file in files, and only those (a bundle from a "
             "deepinfer-compile before sizes were recorded: recompile it)")
@@ -339,10 +354,21 @@ def not_a_bundle(bundle: Path) -> str:
             f"recipe: `deepinfer-compile recipes/tiny.yaml --out {bundle}` (or your own recipe).")
 
 
-def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify_key: bytes | None = None) -> Manifest:
+def weights_missing(bundle: Path, manifest: Manifest, rank: int) -> str:
+    """What to say of a rank whose weight file the bundle does not have yet (compiled --no-weights)."""
+    world = len(manifest.weight_files)
+    hosts = f", or `--ranks {rank}-{rank}` on the host that runs rank {rank} of {world}" if world > 1 else ""
+    return (f"{Path(bundle) / manifest.weight_files[rank]}: rank {rank}'s weights are not in this bundle yet: it was compiled "
+            f"with --no-weights (programs and regions, no weights). Add them from the checkpoint: `deepinfer-compile weights "
+            f"{bundle} --checkpoint DIR`{' (every rank)' if world > 1 else ''}{hosts}.")
+
+
+def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify_key: bytes | None = None,
+                  weights: bool = True) -> Manifest:
     """Read and verify a bundle: signature (with `verify_key`), magic, schema version, manifest
     checksum, types and ranges, paths, toolchain, every file (with `rank`, of the weight files
-    only that rank's)."""
+    only that rank's). `weights=False` accepts weight files the bundle does not have yet (the
+    weights step reads a bundle to add them)."""
     bundle = Path(bundle)
     path = bundle / "manifest.json"
     if not os.path.lexists(path):
@@ -375,6 +401,9 @@ def read_manifest(bundle: Path, toolchain: dict, rank: int | None = None, verify
                 f"{path}: bundle compiled with {key} {wanted}, but this runtime has {key} {toolchain[key]}. "
                 f"Compiled artifacts are tied to the toolchain: recompile the recipe here, or run with {key} {wanted}."
             )
+    for r in range(len(manifest.weight_files)) if rank is None else [rank]:
+        if weights and manifest.weight_files[r] not in manifest.files:
+            raise BundleError(weights_missing(bundle, manifest, r))
     skipped = set() if rank is None else set(manifest.weight_files) - {manifest.weight_files[rank]}
     root = bundle.resolve()
     for rel in manifest.files:  # present and inside; each is hashed as it is read (BundleFiles)

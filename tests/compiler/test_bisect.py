@@ -9,7 +9,8 @@ import time
 import yaml
 
 from deepinfer.compiler.bisect import Bisector, bisect
-from deepinfer.compiler.build import compile_recipe, plan
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.plan import plan
 from deepinfer.compiler.cache import CompileCache
 from deepinfer.compiler.recipe import load_recipe
 from deepinfer.runtime.engine import Engine, Request

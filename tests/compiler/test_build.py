@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from deepinfer.compiler.build import CompileFailed, compile_recipe, plan
+from deepinfer.compiler.build import CompileFailed, compile_recipe
+from deepinfer.compiler.plan import plan
 from deepinfer.compiler.cache import CompileCache
 from deepinfer.compiler.recipe import load_recipe
 from tests.conftest import TINY_RECIPE, write_recipe

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from deepinfer.compiler.backends import inductor
-from deepinfer.compiler.build import plan
+from deepinfer.compiler.plan import plan
 from deepinfer.compiler.recipe import load_recipe
 from tests.conftest import ROOT, TINY_RECIPE, write_recipe
 
@@ -88,7 +88,7 @@ def test_full_size_deepseek_v3_traces_on_fake_weights(tmp_path):
                           methods={"decode": {"buckets": [8]}, "prefill": {"buckets": [128]}},
                           kv={"max_seqs": 8, "max_len": 4096})
     script = ("import json, resource, time, sys\n"
-              "from deepinfer.compiler.build import plan\nfrom deepinfer.compiler.recipe import load_recipe\n"
+              "from deepinfer.compiler.plan import plan\nfrom deepinfer.compiler.recipe import load_recipe\n"
               "t = time.perf_counter(); p = plan(load_recipe(sys.argv[1]))\n"
               "print(json.dumps({'seconds': time.perf_counter() - t, 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,"
               " 'regions': len(p.regions), 'steps': {k: len(v.steps) for k, v in p.programs.items()}}))\n")

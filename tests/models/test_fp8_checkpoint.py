@@ -156,7 +156,7 @@ def test_a_tp_split_that_cuts_scale_blocks_is_refused_with_the_numbers(checkpoin
     release, _, _ = checkpoints
     recipe = write_recipe(tmp_path, "fp8-tp4", model={"checkpoint": str(release), "config": None},
                           parallel={"world_size": 4, "tp": 4, "ep": 4})
-    from deepinfer.compiler.build import plan
+    from deepinfer.compiler.plan import plan
 
     with pytest.raises(RecipeError, match=r"tp=4 splits .*=256 input columns into 64 a rank.*128-column fp8 scale block"):
         plan(load_recipe(recipe))

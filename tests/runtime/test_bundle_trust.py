@@ -275,8 +275,13 @@ def test_a_path_outside_the_bundle_is_refused(bundle, path):
 
 
 def test_a_referenced_file_without_a_checksum_is_refused(bundle):
+    # A weight file without one is a rank whose weights are yet to be added (the weights step): never loaded.
     edit_manifest(bundle, lambda body: body["files"].pop("weights/rank-0.safetensors"))
-    with pytest.raises(BundleError, match="weights/rank-0.safetensors is used but has no sha256"):
+    with pytest.raises(BundleError, match="rank 0's weights are not in this bundle yet"):
+        read_manifest(bundle, toolchain_versions())
+    region = next(name for name in json.loads((bundle / "manifest.json").read_text())["files"] if name.startswith("regions/"))
+    edit_manifest(bundle, lambda body: body["files"].pop(region))
+    with pytest.raises(BundleError, match=f"{region} is used but has no sha256"):
         read_manifest(bundle, toolchain_versions())
 
 

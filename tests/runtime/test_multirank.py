@@ -101,7 +101,7 @@ def test_one_region_set_serves_every_rank(bundles):
     ({"world_size": 2, "tp": 2, "ep": 1, "hierarchical_allreduce": 2}, "parallel.hierarchical_allreduce"),
 ])
 def test_bad_layouts_fail_at_compile_time_naming_the_numbers(tmp_path, parallel, message):
-    from deepinfer.compiler.build import plan
+    from deepinfer.compiler.plan import plan
 
     with pytest.raises(RecipeError, match=message):
         plan(load_recipe(write_recipe(tmp_path, "bad", parallel=parallel)))

@@ -20,11 +20,12 @@ from .backends import backend_module
 from .bundle import check_output, output_lock, write_bundle
 from .cache import CompileCache
 from .footprint import check_fits
-from .plan import Plan, check_random_weights_fit, compute_note, plan, recipe_layout, recipe_model, tensor_spec
+from .plan import Plan, check_random_weights_fit, compute_note, plan, recipe_layout, recipe_model
 from .pool import LOCAL, Executor, Job, JobResult, run_jobs
 from .recipe import Recipe, RecipeError
-from .split import export_region, input_values, output_values
+from .split import export_region
 from .tokenizer_files import tokenizer_files
+from .trace_cache import cached_plan
 from .weights import checkpoint_reader, model_reader, transformed, write_rank_files
 
 
@@ -52,11 +53,17 @@ class Summary:
     seconds: float
     bundle: Path
     compute: str | None = None  # the backend's note on what the weights compute in on this host, where it says
+    plan_reused: bool = False  # the plan came from the trace cache: nothing was traced
 
     def __str__(self) -> str:
         return (f"{self.programs} programs, {self.steps} region calls in schedules, {self.unique_regions} unique regions "
-                f"({self.cache_hits} cache hits, {self.compiled} compiled), {self.seconds:.1f} s -> {self.bundle}"
+                f"({self.cache_hits} cache hits, {self.compiled} compiled{', plan from the trace cache' if self.plan_reused else ''}), "
+                f"{self.seconds:.1f} s -> {self.bundle}"
                 + (f"; {self.compute}" if self.compute else ""))
+
+
+class NotTraced(Exception):
+    """A region to compile whose graph the plan does not hold (a stored plan): trace first."""
 
 
 def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: int, timeout: float,
@@ -68,12 +75,14 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
     backend = backend_module(recipe.backend)
     in_process = getattr(backend, "IN_PROCESS", False) and "inject_fault" not in the_plan.backend_options
     artifacts, todo, hits = {}, [], 0
-    regions = tqdm(the_plan.regions.items(), desc="exporting", unit="region", disable=not progress, leave=False)
-    for fp, graph_module in regions:
+    for fp in tqdm(the_plan.signatures, desc="exporting", unit="region", disable=not progress, leave=False):
         hit = cache.get(fp)
         if hit is not None:
             artifacts[fp], hits = hit, hits + 1
             continue
+        graph_module = the_plan.regions.get(fp)
+        if graph_module is None:
+            raise NotTraced(fp)
         work = cache.work_dir(fp)
         out_file = work / f"{fp}.{backend.EXTENSION}"
         if in_process:
@@ -132,18 +141,22 @@ def _compile_recipe(recipe, jobs, cache_dir, timeout, progress, sign_key, execut
     start = time.perf_counter()
     check_output(recipe.output)
     cache = CompileCache(cache_dir or knobs.cache_dir())
-    the_plan = plan(recipe, check_weights=weights)
+    the_plan, reused = cached_plan(recipe, cache, check_weights=weights)
     check_fits(recipe, the_plan)
     check_random_weights_fit(recipe, the_plan)
-    artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
+    try:
+        artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
+    except NotTraced:  # a region the stored plan names left the cache since
+        the_plan, reused = plan(recipe, check_weights=weights), False
+        artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
 
     layout = recipe_layout(recipe)
     cfg = the_plan.model_config
     checkpoint = recipe.model["checkpoint"]
     carried = tokenizer_files(checkpoint)
     ext = backend_module(recipe.backend).EXTENSION
-    regions = {fp: Region(f"regions/{fp}.{ext}", recipe.backend, [tensor_spec(v) for v in input_values(gm)],
-                          [tensor_spec(v) for v in output_values(gm)]) for fp, gm in the_plan.regions.items()}
+    regions = {fp: Region(f"regions/{fp}.{ext}", recipe.backend, signature.inputs, signature.outputs)
+               for fp, signature in the_plan.signatures.items()}
     manifest = Manifest(
         name=recipe.name, recipe=recipe.raw, model_config=the_plan.model_config, toolchain=the_plan.toolchain,
         parallel=recipe.parallel, buckets=recipe.program_buckets(), contexts=recipe.program_contexts(), speculative=recipe.speculative,
@@ -155,5 +168,5 @@ def _compile_recipe(recipe, jobs, cache_dir, timeout, progress, sign_key, execut
     )
     write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan) if weights else None, carried, sign_key)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
-    return Summary(len(the_plan.programs), steps, len(the_plan.regions), hits, len(the_plan.regions) - hits,
-                   time.perf_counter() - start, recipe.output, compute_note(recipe, the_plan))
+    return Summary(len(the_plan.programs), steps, len(the_plan.signatures), hits, len(the_plan.signatures) - hits,
+                   time.perf_counter() - start, recipe.output, compute_note(recipe, the_plan), reused)

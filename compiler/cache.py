@@ -22,6 +22,10 @@ class CompileCache:
     def _entry(self, fingerprint: str) -> Path:
         return self.root / "regions" / fingerprint
 
+    def has(self, fingerprint: str) -> bool:
+        """Whether an entry is stored (unverified: `get` verifies it)."""
+        return (self._entry(fingerprint) / "meta.json").exists()
+
     def get(self, fingerprint: str) -> Path | None:
         """The cached artifact, verified against its recorded sha256; None on a miss or a bad entry."""
         entry = self._entry(fingerprint)

@@ -8,7 +8,6 @@ kv.max_seqs slots and one scratch slot) and of the largest tensor any region com
 floor (a backend adds its own workspace), so a layout that fails here fails on the device.
 """
 
-import operator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -37,37 +36,8 @@ def rank_footprint(recipe: Recipe, the_plan: Plan) -> RankFootprint:
     """One rank's needs; every rank's are the same (shards are even, the graph is shared)."""
     weights = file_bytes(the_plan.weights)
     pool = state_bytes(the_plan.state)
-    size, where = largest_activation(the_plan)
+    size, where = the_plan.largest_activation
     return RankFootprint(weights, pool, pool // (recipe.kv["max_seqs"] + 1), size, where)
-
-
-def largest_activation(the_plan: Plan) -> tuple[int, str]:
-    """(bytes, description) of the largest tensor a region's op allocates; views and in-place
-    updates (of the state pool, say) allocate nothing and are skipped."""
-    used_in = {}
-    for key, program in the_plan.programs.items():
-        for step in program.steps:
-            used_in.setdefault(step.region, key)
-    best = (0, "none")
-    for fp, graph_module in the_plan.regions.items():
-        for node in graph_module.graph.nodes:
-            value = node.meta.get("val")
-            if node.op != "call_function" or not isinstance(value, torch.Tensor) or not _allocates(node):
-                continue
-            size = value.numel() * value.element_size()
-            if size > best[0]:
-                dtype = str(value.dtype).removeprefix("torch.")
-                best = (size, f"{list(value.shape)} {dtype}, {used_in.get(fp, '?')} ({the_plan.region_paths[fp]})")
-    return best
-
-
-def _allocates(node) -> bool:
-    if node.op != "call_function":
-        return False  # a region input: a weight, the state pool, an activation counted where it was made
-    if node.target is operator.getitem:  # one output of a multi-output op: a view if the op returns views
-        return _allocates(node.args[0])
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or not any(r.alias_info is not None for r in schema.returns)
 
 
 def report(recipe: Recipe) -> dict:
@@ -85,7 +55,7 @@ def report(recipe: Recipe) -> dict:
         "recipe": recipe.name, "arch": recipe.model["arch"], "dtype": recipe.dtype, "backend": recipe.backend,
         "compute": compute_note(recipe, the_plan),
         "parallel": {"world_size": p["world_size"], "tp": p["tp"], "ep": p["ep"]},
-        "kv": dict(recipe.kv), "programs": programs, "unique_regions": len(the_plan.regions),
+        "kv": dict(recipe.kv), "programs": programs, "unique_regions": len(the_plan.signatures),
         "region_calls": sum(row["region_calls"] for row in programs),
         "ranks": [{"rank": r, **asdict(rank), "total_bytes": rank.total_bytes} for r in range(p["world_size"])],
         "device_memory_gib": budget,

@@ -10,6 +10,7 @@ tensors of full shapes to check and read a checkpoint against. Nothing else buil
 (the compile of random weights builds the real model when it writes them).
 """
 
+import operator
 import os
 from dataclasses import dataclass
 
@@ -24,7 +25,13 @@ from .backends import backend_module
 from .fingerprint import fingerprint
 from .pack import pack_collectives
 from .recipe import Recipe, RecipeError
-from .split import boundary_matches, output_values, split_unit
+from .split import boundary_matches, input_values, output_values, split_unit
+
+
+@dataclass
+class RegionSignature:
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
 
 
 @dataclass
@@ -32,7 +39,8 @@ class Plan:
     """What a recipe compiles to, before any backend work."""
 
     programs: dict[str, Program]
-    regions: dict[str, object]  # fingerprint -> region GraphModule (one per unique region)
+    regions: dict[str, object]  # fingerprint -> region GraphModule (one per unique region); empty in a stored plan
+    signatures: dict[str, RegionSignature]  # fingerprint -> its inputs and outputs (every unique region)
     toolchain: dict
     backend_options: dict  # the backend's defaults merged with the recipe's
     region_paths: dict  # fingerprint -> module path of the unit it came from ("layers.*"), for bisect
@@ -40,6 +48,7 @@ class Plan:
     kv: KVSpec
     state: list[list[StateTensor]]
     model_config: dict
+    largest_activation: tuple[int, str]  # (bytes, "shape dtype, program (module)") of the largest tensor a region computes
     full_model: torch.nn.Module  # meta tensors of full (unsharded) shapes: what a checkpoint is read and checked against
 
 
@@ -78,9 +87,8 @@ def plan(recipe: Recipe, check_weights: bool = True) -> Plan:
     state = [[StateTensor(s.name, list(s.shape), _dtype_name(s.dtype), s.positions_per_entry) for s in layer]
              for layer in model.state_specs(recipe.kv["max_seqs"], recipe.kv["max_len"])]
     _check_state_pool(recipe, state)
-    backend = backend_module(recipe.backend)
-    toolchain = {**toolchain_versions(), **({} if backend.unavailable(recipe.backend_options) else backend.versions())}  # (only a plan)
-    options = backend.options(recipe.backend_options)
+    toolchain = plan_toolchain(recipe)
+    options = backend_module(recipe.backend).options(recipe.backend_options)
     programs, units = trace.trace_programs(model, recipe.program_buckets(), recipe.program_contexts(), recipe.kv["max_seqs"], recipe.kv["max_len"],
                                            recipe.split_layers)
     # Splitting off the state-free part pays only where it dedups: layer units shared by contexts.
@@ -108,7 +116,17 @@ def plan(recipe: Recipe, check_weights: bool = True) -> Plan:
     kv = KVSpec(recipe.kv["max_seqs"], recipe.kv["max_len"], 0, [recipe.kv["max_seqs"] + 1, recipe.kv["max_len"], 0], recipe.dtype)
     names = sorted({w for p in programs for call in p.calls for w in call.weights})
     weights = [(name, list(t.shape), t.dtype) for name in names for t in [trace.tensor_at(model, name)]]
-    return Plan(schedules, regions, toolchain, options, region_paths, weights, kv, state, model.config.to_dict(), full)
+    signatures = {fp: RegionSignature([tensor_spec(v) for v in input_values(gm)], [tensor_spec(v) for v in output_values(gm)])
+                  for fp, gm in regions.items()}
+    return Plan(schedules, regions, signatures, toolchain, options, region_paths, weights, kv, state, model.config.to_dict(),
+                largest_activation(schedules, regions, region_paths), full)
+
+
+def plan_toolchain(recipe: Recipe) -> dict:
+    """The versions a plan's regions are fingerprinted with: torch, Python, deepinfer and the
+    backend's own (none when the backend is not installed here: only a plan)."""
+    backend = backend_module(recipe.backend)
+    return {**toolchain_versions(), **({} if backend.unavailable(recipe.backend_options) else backend.versions())}
 
 
 def _context_inputs(programs: list[trace.TracedProgram], state: list[list[StateTensor]]) -> dict[str, frozenset[int]]:
@@ -122,6 +140,35 @@ def _context_inputs(programs: list[trace.TracedProgram], state: list[list[StateT
         for call in program.calls:
             found.setdefault(call.unit, frozenset(i for i, name in enumerate(call.weights + call.inputs) if name in sized))
     return found
+
+
+def largest_activation(programs: dict[str, Program], regions: dict, region_paths: dict) -> tuple[int, str]:
+    """(bytes, description) of the largest tensor a region's op allocates; views and in-place
+    updates (of the state pool, say) allocate nothing and are skipped."""
+    used_in = {}
+    for key, program in programs.items():
+        for step in program.steps:
+            used_in.setdefault(step.region, key)
+    best = (0, "none")
+    for fp, graph_module in regions.items():
+        for node in graph_module.graph.nodes:
+            value = node.meta.get("val")
+            if node.op != "call_function" or not isinstance(value, torch.Tensor) or not _allocates(node):
+                continue
+            size = value.numel() * value.element_size()
+            if size > best[0]:
+                dtype = str(value.dtype).removeprefix("torch.")
+                best = (size, f"{list(value.shape)} {dtype}, {used_in.get(fp, '?')} ({region_paths[fp]})")
+    return best
+
+
+def _allocates(node) -> bool:
+    if node.op != "call_function":
+        return False  # a region input: a weight, the state pool, an activation counted where it was made
+    if node.target is operator.getitem:  # one output of a multi-output op: a view if the op returns views
+        return _allocates(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not any(r.alias_info is not None for r in schema.returns)
 
 
 STATE_POOL_LIMIT = 1 << 40  # bytes per rank; no host holds more

@@ -152,10 +152,10 @@ class Manifest:
     def from_dict(cls, body: dict, where: str = "manifest.json") -> "Manifest":
         """Typed, field by field (a wrong type or a missing field is a BundleError naming it)."""
         body = {k: v for k, v in body.items() if k != "checksum"}
-        return _typed(body, cls, where)
+        return typed_value(body, cls, where)
 
 
-def _typed(value, annotation, where: str):
+def typed_value(value, annotation, where: str):
     """`value` (parsed JSON) as `annotation`: a dataclass, dict[str, T], list[T], T | None, or a
     plain type. Raises BundleError naming the field path."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -171,20 +171,20 @@ def _typed(value, annotation, where: str):
         if missing:
             raise BundleError(f"{where}: missing field(s) {missing}")
         hints = typing.get_type_hints(annotation)
-        return annotation(**{k: _typed(v, hints[k], f"{where}.{k}") for k, v in value.items()})
+        return annotation(**{k: typed_value(v, hints[k], f"{where}.{k}") for k, v in value.items()})
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _typed(value, inner, where)
+        return typed_value(value, inner, where)
     if origin is dict:
         if not isinstance(value, dict):
             raise BundleError(f"{where}: must be an object, not {type(value).__name__}")
-        return {k: _typed(v, args[1], f"{where}.{k}") for k, v in value.items()}
+        return {k: typed_value(v, args[1], f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise BundleError(f"{where}: must be a list, not {type(value).__name__}")
-        return [_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+        return [typed_value(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     plain = origin or annotation
     if not isinstance(value, plain) or (plain is int and isinstance(value, bool)):
         raise BundleError(f"{where}: must be {plain.__name__}, not {type(value).__name__} ({str(value)[:40]!r})")

@@ -1,6 +1,6 @@
 """The docs' long examples, the ones marked `<!-- example: bench -->` (training the tiny models, a
-Ray cluster of one, bisect on a crashing backend, two hosts on one machine, a pjrt compile of the
-tiny V4): run as written, after the README's tour, each timed. The test suite runs every other
+Ray cluster of one, bisect on a crashing backend, two hosts on one machine, the tiny V4 through
+export and through pjrt): run as written, after the README's tour, each timed. The test suite runs every other
 example (tests/test_docs.py); tests/markdown_examples.py says how a page's examples run.
 
     .venv/bin/python bench/docs_examples.py               # all of them: about an hour on 2 cores (training is 50 minutes)

@@ -5,7 +5,7 @@
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +54,8 @@ class Summary:
     bundle: Path
     compute: str | None = None  # the backend's note on what the weights compute in on this host, where it says
     plan_reused: bool = False  # the plan came from the trace cache: nothing was traced
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: plan, export, backend (summed over regions), write
+    longest_region: tuple[float, str] = (0.0, "")  # (backend seconds, fingerprint) of the slowest region compiled
 
     def __str__(self) -> str:
         return (f"{self.programs} programs, {self.steps} region calls in schedules, {self.unique_regions} unique regions "
@@ -61,20 +63,33 @@ class Summary:
                 f"{self.seconds:.1f} s -> {self.bundle}"
                 + (f"; {self.compute}" if self.compute else ""))
 
+    def where_the_time_went(self) -> str:
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+        slowest = f" (slowest region {self.longest_region[1]}: {self.longest_region[0]:.1f} s)" if self.longest_region[1] else ""
+        return f"time: {phases}{slowest}"
+
+
+@dataclass
+class Compiled:
+    artifacts: dict[str, Path]  # fingerprint -> artifact in the cache
+    hits: int
+    export_seconds: float  # regions exported for their workers (or compiled in process)
+    region_seconds: dict[str, float]  # fingerprint -> backend seconds, for each region compiled
+
 
 class NotTraced(Exception):
     """A region to compile whose graph the plan does not hold (a stored plan): trace first."""
 
 
 def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: int, timeout: float,
-                    progress: bool, executor: Executor = LOCAL) -> tuple[dict[str, Path], int]:
+                    progress: bool, executor: Executor = LOCAL) -> Compiled:
     """Artifact per unique region, from the cache or from a worker; raises CompileFailed. Each
     region is cached the moment its worker finishes, so an interrupted compile keeps it. A backend
     that only serializes (IN_PROCESS) has nothing to isolate and runs here, unless a fault is
     injected (the testing aid lives in the worker)."""
     backend = backend_module(recipe.backend)
     in_process = getattr(backend, "IN_PROCESS", False) and "inject_fault" not in the_plan.backend_options
-    artifacts, todo, hits = {}, [], 0
+    artifacts, todo, hits, seconds, started = {}, [], 0, {}, time.perf_counter()
     for fp in tqdm(the_plan.signatures, desc="exporting", unit="region", disable=not progress, leave=False):
         hit = cache.get(fp)
         if hit is not None:
@@ -86,16 +101,20 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
         work = cache.work_dir(fp)
         out_file = work / f"{fp}.{backend.EXTENSION}"
         if in_process:
+            region_start = time.perf_counter()
             backend.compile(export_region(graph_module), the_plan.backend_options, out_file)
+            seconds[fp] = time.perf_counter() - region_start
             artifacts[fp] = cache.put(fp, out_file, {"backend": recipe.backend, "seconds": 0.0})
             cache.prune_work(work)
             continue
         torch.export.save(export_region(graph_module), work / "region.ep.pt2")
         todo.append(Job(fp, work / "region.ep.pt2", out_file, recipe.backend, the_plan.backend_options, work / "compile.log"))
+    exported = time.perf_counter() - started - sum(seconds.values())  # (less what in-process compiles took)
 
     def store(result: JobResult):
         if result.ok:
             name = result.job.name
+            seconds[name] = result.seconds
             artifacts[name] = cache.put(name, result.job.out_file, {"backend": recipe.backend, "seconds": round(result.seconds, 2)})
             cache.prune_work(result.job.log_file.parent)
 
@@ -103,7 +122,7 @@ def compile_regions(recipe: Recipe, the_plan: Plan, cache: CompileCache, jobs: i
     failures = [r for r in results if not r.ok]
     if failures:
         raise CompileFailed(failures, timeout)
-    return artifacts, hits
+    return Compiled(artifacts, hits, exported, seconds)
 
 
 def weight_writer(recipe: Recipe, the_plan: Plan):
@@ -145,10 +164,13 @@ def _compile_recipe(recipe, jobs, cache_dir, timeout, progress, sign_key, execut
     check_fits(recipe, the_plan)
     check_random_weights_fit(recipe, the_plan)
     try:
-        artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
+        planned = time.perf_counter()
+        compiled = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
     except NotTraced:  # a region the stored plan names left the cache since
         the_plan, reused = plan(recipe, check_weights=weights), False
-        artifacts, hits = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
+        planned = time.perf_counter()
+        compiled = compile_regions(recipe, the_plan, cache, jobs, timeout, progress, executor)
+    regions_done = time.perf_counter()
 
     layout = recipe_layout(recipe)
     cfg = the_plan.model_config
@@ -166,7 +188,11 @@ def _compile_recipe(recipe, jobs, cache_dir, timeout, progress, sign_key, execut
         chat_template="chat_template.json" if "chat_template.json" in carried else None,
         weight_specs=[WeightTensor(name, shape, str(dtype).removeprefix("torch.")) for name, shape, dtype in the_plan.weights],
     )
-    write_bundle(recipe.output, manifest, artifacts, weight_writer(recipe, the_plan) if weights else None, carried, sign_key)
+    write_bundle(recipe.output, manifest, compiled.artifacts, weight_writer(recipe, the_plan) if weights else None, carried, sign_key)
     steps = sum(len(p.steps) for p in the_plan.programs.values())
-    return Summary(len(the_plan.programs), steps, len(the_plan.signatures), hits, len(the_plan.signatures) - hits,
-                   time.perf_counter() - start, recipe.output, compute_note(recipe, the_plan), reused)
+    end, region_seconds = time.perf_counter(), compiled.region_seconds
+    phases = {"plan": planned - start, "export": compiled.export_seconds, "backend (regions summed)": sum(region_seconds.values()),
+              "write": end - regions_done}
+    longest = max(((s, fp) for fp, s in region_seconds.items()), default=(0.0, ""))
+    return Summary(len(the_plan.programs), steps, len(the_plan.signatures), compiled.hits, len(the_plan.signatures) - compiled.hits,
+                   end - start, recipe.output, compute_note(recipe, the_plan), reused, phases, longest)

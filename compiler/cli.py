@@ -104,6 +104,7 @@ def build(recipe, out, backend, jobs, cache_dir, timeout, sign_key, executor, ra
                                  timeout=timeout, sign_key=key, executor=Executor(executor, ray_address),
                                  weights=not no_weights)
     click.echo(f"compiled {summary}")
+    click.echo(summary.where_the_time_went())
     if no_weights:
         click.echo(f"no weights yet: add them with `deepinfer-compile weights {summary.bundle} --checkpoint DIR`")
 

@@ -24,11 +24,14 @@ def test_an_unchanged_compile_reuses_its_plan_and_writes_the_same_bundle(tmp_pat
     cold = compile_recipe(tiny(tmp_path), cache_dir=cache, progress=False)
     manifest = (cold.bundle / "manifest.json").read_bytes()
     assert not cold.plan_reused and len(list((cache / "plans").glob("*.json"))) == 1
+    assert set(cold.phases) == {"plan", "export", "backend (regions summed)", "write"} and cold.phases["plan"] > 0
+    assert cold.longest_region[1] in json.loads(manifest)["regions"] and "slowest region" in cold.where_the_time_went()
     real = trace.trace_programs
     monkeypatch.setattr(trace, "trace_programs", lambda *a, **k: pytest.fail("traced"))
     warm = compile_recipe(tiny(tmp_path), cache_dir=cache, progress=False)
     assert warm.plan_reused and warm.cache_hits == warm.unique_regions and "plan from the trace cache" in str(warm)
     assert (warm.bundle / "manifest.json").read_bytes() == manifest
+    assert warm.phases["plan"] < cold.phases["plan"] and warm.longest_region == (0.0, "")  # (nothing traced or compiled)
 
     monkeypatch.setattr(trace, "trace_programs", real)
     shutil.rmtree(next((cache / "regions").iterdir()))  # a region the plan names is gone: its graph is needed

@@ -95,9 +95,13 @@ def parse_ranks(text: str) -> list[int]:
 
 
 def _recipe_for(manifest: Manifest, checkpoint: Path, bundle: Path) -> Recipe:
-    """The bundle's recipe with `checkpoint` as its model.checkpoint."""
+    """The bundle's recipe with `checkpoint` as its model.checkpoint, and the backend its regions
+    were compiled with (`--backend` may have overridden the recipe's): some store weights their way."""
+    backends = {region.backend for region in manifest.regions.values()}
     raw = {**manifest.recipe, "model": {**manifest.recipe["model"], "checkpoint": str(checkpoint)}}
     raw["model"].pop("config", None)
+    if len(backends) == 1:
+        raw["backend"] = {**(raw.get("backend") or {}), "name": backends.pop()}
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "recipe.yaml"
         path.write_text(yaml.safe_dump(raw))

@@ -56,7 +56,11 @@ def test_v4_compiled_at_world_size_2_gives_the_tokens_of_transformers(v4_release
     V4's state rings, compressors, indexer, hash routing; the fp4 and e8m0 decoders' shifts and
     unsigned compares, which torch-mlir lacks or gets wrong, rewritten). The export backend and
     world size 1 pass too: left out of CI for their minutes; dequantize-at-compile reads through
-    the same code as the eager test's dequantized model."""
+    the same code as the eager test's dequantized model. Compiled without weights, then the weights
+    step streams the release's fp8 and fp4 tensors (names, dtypes, scale layouts as released) in."""
+    from deepinfer.compiler.add_weights import add_weights
+
     release, _, expected = v4_release
-    bundle = compile_fp8(release, tmp_path, cache_dir, "pjrt", "keep", 2, arch="deepseek_v4").bundle
+    bundle = compile_fp8(release, tmp_path, cache_dir, "pjrt", "keep", 2, arch="deepseek_v4", weights=False).bundle
+    assert add_weights(bundle, release, progress=False) == [0, 1]
     assert run_tokens(bundle, PROMPTS) == expected

@@ -65,8 +65,9 @@ def assert_prefill_logits_match(hf, *models):
             torch.testing.assert_close(model.prefill(*step, model.new_state(1, 64))[0], reference, atol=1e-4, rtol=1e-4)
 
 
-def compile_fp8(release, tmp_path, cache_dir, backend, mode, world_size, arch="deepseek_v3"):
-    """Through AOTInductor as one whole graph per program: 2 compiles, the same fp8 ops as per layer."""
+def compile_fp8(release, tmp_path, cache_dir, backend, mode, world_size, arch="deepseek_v3", weights=True):
+    """Through AOTInductor as one whole graph per program: 2 compiles, the same fp8 ops as per layer.
+    `weights=False`: --no-weights (the weights step adds them)."""
     buckets = {"decode": {"buckets": [4]}, "prefill": {"buckets": [32]}}
     regions = {"split_layers": backend != "inductor", "boundaries": []}
     static = backend in ("pjrt", "neuron")  # (no torch.cond; neuron: its StableHLO on XLA's CPU client)
@@ -75,7 +76,7 @@ def compile_fp8(release, tmp_path, cache_dir, backend, mode, world_size, arch="d
                           model={"arch": arch, "checkpoint": str(release), "config": None, "quantized_weights": mode,
                                  "expert_overflow": "always" if static else "branch"},
                           parallel={"world_size": world_size, "tp": 1, "ep": world_size}, kv={"max_seqs": 4, "max_len": 64})
-    return compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False)
+    return compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False, weights=weights)
 
 
 def run_tokens(bundle, prompts=PROMPTS) -> list[list[int]]:

@@ -22,14 +22,14 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from deepinfer.models import DTYPES, Layout, check_checkpoint
+from deepinfer.models import DTYPES, check_checkpoint
 from deepinfer.models.checkpoint import CheckpointError
 from deepinfer.runtime.errors import DeepinferError
 from deepinfer.runtime.manifest import SIGNATURE_FILE, Manifest, read_manifest, sha256_file, sign
 
 from .backends import backend_module
 from .bundle import output_lock
-from .plan import recipe_model
+from .plan import recipe_layout, recipe_model
 from .recipe import Recipe, RecipeError, load_recipe
 from .weights import checkpoint_reader, file_bytes, transformed, write_rank_file
 
@@ -60,7 +60,7 @@ def add_weights(bundle: Path, checkpoint: Path, ranks: list[int] | None = None, 
         _check_same_model(manifest, full.config.to_dict(), checkpoint, bundle)
         check_checkpoint(checkpoint, full)  # every tensor there, its shape and dtype: before anything is written
         specs = [(w.name, w.shape, getattr(torch, w.dtype)) for w in manifest.weight_specs]
-        layout = Layout(world, manifest.parallel["tp"], manifest.parallel["ep"])
+        layout = recipe_layout(recipe)  # (the recipe's parallel: the manifest's)
         read_slice = checkpoint_reader(checkpoint, full, layout, DTYPES[recipe.dtype])
         transform = getattr(backend_module(recipe.backend), "transform_weight", None)
         if transform:

@@ -31,6 +31,7 @@ class Unit:
     module_path: str  # where its nodes live in the model, "layers.*" for a layer kind
     program: torch.export.ExportedProgram
     weight_names: list[str]  # lifted parameter/buffer targets, relative to the unit's module
+    arg_specs: list[tuple]  # (shape, dtype) of each tensor argument it was traced with
 
 
 @dataclass
@@ -146,6 +147,13 @@ def _record_driver(model, program: TracedProgram, inputs, state, state_names, un
                                "the driver must only call sub-modules (embed, layers, head).")
         if key not in units:
             units[key] = _export(_Call(module), args, key, re.sub(r"\.\d+$", ".*", path))
+        elif units[key].arg_specs != _arg_specs(args):
+            first, now = units[key].arg_specs, _arg_specs(args)
+            i = next(i for i, (a, b) in enumerate(zip(first, now)) if a != b)
+            said = [f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in (now[i], first[i])]
+            raise RuntimeError(f"{type(model).__name__}.{program.method}: {path} ({kind}) gets argument {i} as {said[0]} where an "
+                               f"earlier layer of its kind got {said[1]}. Every layer of a kind must take the same shapes and "
+                               "dtypes: its compiled region is shared.")
         out_names = [f"{path}:{j}" for j in range(len(outputs))]
         names.update({id(t): n for t, n in zip(outputs, out_names)})
         weights = [canonical[id(tensor_at(module, w))] for w in units[key].weight_names]
@@ -209,7 +217,11 @@ def _export(wrapper: _Call, args, key: str, module_path: str) -> Unit:
                     if spec.kind.name in ("PARAMETER", "BUFFER")]
     if any(spec.kind.name not in ("PARAMETER", "BUFFER", "USER_INPUT") for spec in program.graph_signature.input_specs):
         raise RuntimeError(f"{key}: the traced graph lifted a constant tensor; make it a buffer so it binds as a weight.")
-    return Unit(key, module_path, program, weight_names)
+    return Unit(key, module_path, program, weight_names, _arg_specs(args))
+
+
+def _arg_specs(args) -> list[tuple]:
+    return [(tuple(a.shape), a.dtype) for a in args]
 
 
 def tensor_at(module: nn.Module, name: str) -> torch.Tensor:

@@ -386,7 +386,8 @@ class InputEmbedding(nn.Module):
         without speculative decoding) -> ..., start, end, each block's slot."""
         x = F.embedding(tokens, self.weight)  # [R, D]
         h = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()  # [R, n, D]
-        post, pending = torch.zeros_like(h[..., 0]), torch.zeros_like(x)
+        post = h.new_zeros(h.shape[:2], dtype=torch.float32)  # [R, n]: float32, as every layer's mHC weights
+        pending = torch.zeros_like(x)
         main = rope_at(positions, self.main_inv_freq, self.main_scale, x.dtype)
         compress = rope_at(positions, self.compress_inv_freq, self.compress_scale, x.dtype)
         if last_index is not None:

@@ -13,7 +13,8 @@ import yaml
 from deepinfer.compiler.backends import inductor
 from deepinfer.compiler.plan import plan
 from deepinfer.compiler.recipe import load_recipe
-from tests.conftest import ROOT, TINY_RECIPE, write_recipe
+from deepinfer.models.deepseek_v4 import InputEmbedding
+from tests.conftest import ROOT, TINY_RECIPE, tiny_v4_config, write_recipe
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_regions.json"
 
@@ -125,6 +126,25 @@ if __name__ == "__main__":
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps(golden_summary(), indent=1) + "\n")
     print(f"wrote {GOLDEN}")
+
+
+def test_every_layer_of_a_kind_takes_the_same_dtypes(tmp_path, monkeypatch):
+    """Found compiling V4-Flash in bf16 (bench/full_size_numerics.py): the embedding handed layer 0
+    its mHC weights in bf16 where every later layer hands them on in float32, and layer 0's region,
+    shared by its kind, was then called with float32 (a bundle that could not load). Two layers of
+    one kind from layer 0 on share one region now; an argument that differs is refused at trace."""
+    config = {**tiny_v4_config(), "layer_types": ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                                                  "heavily_compressed_attention"]}
+    recipe = write_recipe(tmp_path, "v4-bf16", model={"arch": "deepseek_v4", "config": config}, dtype="bfloat16",
+                          methods={"decode": {"buckets": [2]}, "prefill": {"buckets": [16]}})
+    decode = plan(load_recipe(recipe)).programs["decode/2"]
+    assert decode.steps[1].region == decode.steps[2].region
+
+    forward = InputEmbedding.forward
+    monkeypatch.setattr(InputEmbedding, "forward", lambda self, *args: (lambda h, post, *rest: (h, post.to(h.dtype), *rest))(
+        *forward(self, *args)))
+    with pytest.raises(RuntimeError, match=r"layers\.1 .*argument 1 as \[16, 2\] float32 where an earlier layer of its kind got \[16, 2\] bfloat16"):
+        plan(load_recipe(recipe))
 
 
 def test_a_boundary_that_matches_no_node_is_refused(tmp_path):

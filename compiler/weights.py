@@ -13,14 +13,13 @@ from pathlib import Path
 import torch
 
 from deepinfer.models import read_weight, stored_dtype
-from deepinfer.models.checkpoint import SafetensorsDir
+from deepinfer.models.checkpoint import TORCH_DTYPES, SafetensorsDir
 from deepinfer.models.parallel import Layout, rank_buffers, shard
 from deepinfer.models.quantization import SCALE_SUFFIX
 
 from . import trace
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                      torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 Specs = list[tuple[str, list[int], torch.dtype]]  # (name, shape, dtype) of each tensor, in file order
 

@@ -162,10 +162,14 @@ def single_rank(spec: dict, *xs):
 
 
 class Worst:
-    """A region's worst tensor over its calls: max |compiled - eager| / max |eager|."""
+    """A region's worst tensor over its calls: max |compiled - eager| / max |eager|, and how many
+    rows (entries of dim 0: tokens, for activations) are over the tolerance: a bf16 near-tie in a
+    router flips one token's expert and moves that row alone; a wrong lowering moves them all."""
 
-    def __init__(self):
-        self.error, self.where, self.int_differ, self.int_total, self.calls = 0.0, "", 0, 0, 0
+    def __init__(self, tolerance: float):
+        self.tolerance, self.error, self.where, self.calls = tolerance, 0.0, "", 0
+        self.rows_over, self.rows = 0, 0  # in the worst tensor
+        self.int_differ, self.int_total = 0, 0
 
     def add(self, what: str, eager: torch.Tensor, compiled: torch.Tensor):
         if not eager.dtype.is_floating_point:
@@ -173,13 +177,15 @@ class Worst:
             self.int_total += eager.numel()
             return
         scale = eager.abs().max().float().item() or 1.0
-        error = (compiled.float() - eager.float()).abs().max().item() / scale
+        per_row = (compiled.float() - eager.float()).abs().reshape(max(1, eager.shape[0] if eager.dim() else 1), -1).amax(dim=1) / scale
+        error = per_row.max().item()
         if not error <= self.error:  # (a NaN is the worst)
             self.error, self.where = error, what
+            self.rows_over, self.rows = int((~(per_row <= self.tolerance)).sum()), per_row.numel()
 
 
 @torch.no_grad()
-def run_rank(recipe, the_plan, pairs, rank: int, worst: dict) -> float:
+def run_rank(recipe, the_plan, pairs, rank: int, worst: dict, tolerance: float) -> float:
     """Every step's program region after region on rank `rank`'s weights; returns the seconds."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(1000 + rank)
@@ -206,7 +212,7 @@ def run_rank(recipe, the_plan, pairs, rank: int, worst: dict) -> float:
                 theirs[i] = args[i].clone()  # (the compiled side updates its own copy of the state)
             got = compiled(*theirs)
             want = eager(*args)
-            row = worst.setdefault(call.region, Worst())
+            row = worst.setdefault(call.region, Worst(tolerance))
             row.calls += 1
             for name, w, g in zip(call.outputs, want, got):
                 row.add(f"{step.key} {name}", w, g)
@@ -232,10 +238,11 @@ def check_model(model: str, dtype: str | None, ranks: str) -> None:
         tolerance = TOLERANCE[recipe.dtype]
         for rank in (0, last) if ranks == "both" else (int(ranks),):
             worst = {}
-            seconds = run_rank(recipe, the_plan, pairs, rank, worst)
+            seconds = run_rank(recipe, the_plan, pairs, rank, worst, tolerance)
             print(f"\n{model}, rank {rank} of {last + 1}, {recipe.dtype} ({len(the_plan.signatures)} unique regions = the full "
                   f"model's {len(full.signatures)}; {seconds:.0f} s)")
-            print(f"  {'region':26s} {'module':24s} {'calls':>5s} {'max err / max|eager|':>20s} {'int differ':>11s}  worst tensor")
+            print(f"  {'region':26s} {'module':24s} {'calls':>5s} {'max err / max|eager|':>20s} {'rows over':>10s} "
+                  f"{'int differ':>11s}  worst tensor")
             for fp in the_plan.signatures:
                 row = worst.get(fp)
                 if row is None:
@@ -243,8 +250,8 @@ def check_model(model: str, dtype: str | None, ranks: str) -> None:
                     continue
                 verdict = "ok" if row.error <= tolerance else f"OVER {tolerance:g}"
                 ints = f"{row.int_differ}/{row.int_total}" if row.int_total else "-"
-                print(f"  {fp:26s} {the_plan.region_paths[fp]:24s} {row.calls:5d} {row.error:20.2e} {ints:>11s}  "
-                      f"{row.where}  {verdict}", flush=True)
+                print(f"  {fp:26s} {the_plan.region_paths[fp]:24s} {row.calls:5d} {row.error:20.2e} "
+                      f"{f'{row.rows_over}/{row.rows}':>10s} {ints:>11s}  {row.where}  {verdict}", flush=True)
 
 
 def main():

@@ -123,7 +123,7 @@ def _scales(shape: tuple, fan_in: int, e8m0: bool, generator) -> torch.Tensor:
 def write_recipe(model: str, checkpoint: Path, work: Path) -> Path:
     recipe = {"name": f"{model}-cut", "model": {"arch": "deepseek_v4" if "v4" in model else "deepseek_v3", "checkpoint": str(checkpoint)},
               "dtype": "bfloat16", "parallel": {"world_size": 2, "tp": 2, "ep": 2},
-              "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}}, "kv": {"max_seqs": 2, "max_len": 64},
+              "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}}, "kv": {"max_seqs": 2, "max_len": 128},
               "backend": {"name": "export"}, "output": str(work / "unused")}
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))

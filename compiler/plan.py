@@ -71,7 +71,7 @@ def compute_note(recipe: Recipe, the_plan: Plan) -> str | None:
 
 def recipe_layout(recipe: Recipe) -> Layout:
     p = recipe.parallel
-    return Layout(p["world_size"], p["tp"], p["ep"])
+    return Layout(p["world_size"], p["tp"], p["ep"], p["cp"])
 
 
 def plan(recipe: Recipe, check_weights: bool = True) -> Plan:

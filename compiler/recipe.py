@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from deepinfer.models import QUANTIZED_WEIGHTS, model_config, mtp_problem
+from deepinfer.models import QUANTIZED_WEIGHTS, context_parallel_supported, model_config, mtp_problem
 from deepinfer.models.moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from deepinfer.runtime.errors import DeepinferError
 
@@ -83,7 +83,7 @@ SCHEMA = {
               "quantized_weights": (str, "keep"), "expert_capacity": (float, DEFAULT_CAPACITY),
               "expert_overflow": (str, None)},
     "dtype": (str, "float32"),
-    "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "hierarchical_allreduce": (int, 0),
+    "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "cp": (int, 1), "hierarchical_allreduce": (int, 0),
                  "device_memory_gib": (float, None)},
     "methods": {m: {"buckets": (list, REQUIRED), "context": (list, None)} for m in ("decode", "prefill")},
     "kv": {"max_seqs": (int, REQUIRED), "max_len": (int, REQUIRED)},
@@ -198,6 +198,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     if problem:
         fail("kv.max_len", problem)
     speculative = _speculative(values["speculative"], config, fail)
+    _check_cp(values["parallel"], model["arch"], buckets, contexts, kv["max_len"], fail)
     for method, sizes in contexts.items():
         problem = next(filter(None, map(config.max_len_problem, sizes)), None)
         if problem:
@@ -219,6 +220,29 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         speculative=speculative,
         prompt_logprobs=values["prompt_logprobs"],
     )
+
+
+def _check_cp(parallel: dict, arch: str, buckets: dict, contexts: dict, max_len: int, fail):
+    """parallel.cp: the context-parallel group size (models/context_parallel.py)."""
+    cp, replicas = parallel["cp"], parallel["world_size"] // max(parallel["tp"], 1)
+    if cp == 1:
+        return
+    if cp < 1 or parallel["world_size"] % max(parallel["tp"], 1) or replicas % cp:
+        fail("parallel.cp", f"{cp} must divide world_size / tp = {replicas}: a context-parallel group is cp ranks that would "
+             "otherwise compute the same rows (replicas of the tp-split model). Choose a divisor of it, or 1.")
+    if not context_parallel_supported(arch):
+        fail("parallel.cp", f"model.arch {arch} does not split its state over a context-parallel group yet; use cp: 1.")
+    for method, size in [("prefill", b) for b in buckets["prefill"] if b % cp]:
+        fail(f"methods.{method}.buckets", f"bucket {size} is not a multiple of parallel.cp={cp}: a prompt chunk's rows are "
+             f"split evenly over the cp group. Use multiples of {cp}.")
+    if max_len % cp:
+        fail("kv.max_len", f"{max_len} is not a multiple of parallel.cp={cp}: each rank of the cp group keeps every "
+             f"{cp}-th position. Use a multiple of {cp}.")
+    for method, sizes in contexts.items():
+        for size in sizes:
+            if size % cp:
+                fail(f"methods.{method}.context", f"context bucket {size} is not a multiple of parallel.cp={cp}: each rank "
+                     f"reads every {cp}-th position of it. Use multiples of {cp}.")
 
 
 def _speculative(section: dict, config, fail) -> int:

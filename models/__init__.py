@@ -135,6 +135,11 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
+def context_parallel_supported(arch: str) -> bool:
+    """Whether the architecture splits its state over a context-parallel group (parallel.cp)."""
+    return arch_of(arch).model.CONTEXT_PARALLEL
+
+
 def mtp_problem(config) -> str | None:
     """Why this model cannot draft with multi-token prediction (MTP) modules, or None."""
     if not config.num_nextn_predict_layers:
@@ -267,5 +272,5 @@ def _check_tensor(weights: SafetensorsDir, key: str, shape: tuple, param_dtype: 
     return scale_key
 
 
-__all__ = ["build_model", "check_checkpoint", "mtp_problem", "stored_dtype", "QUANTIZED_WEIGHTS", "model_config", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config",
+__all__ = ["build_model", "check_checkpoint", "context_parallel_supported", "mtp_problem", "stored_dtype", "QUANTIZED_WEIGHTS", "model_config", "CheckpointError", "ConfigError", "DeepseekV3", "DeepseekV3Config",
            "DeepseekV4", "DeepseekV4Config", "Layout", "LayoutError", "TINY_CONFIG", "TINY_V4_CONFIG", "DTYPES"]

@@ -29,9 +29,10 @@ from torch import nn
 
 import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
 
+from . import context_parallel
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
 from .moe import routed_experts
-from .parallel import Layout, rank_buffers
+from .parallel import Layout, moe_buffers
 from .prompt_scoring import PromptScorer
 from .quantization import Fp8Blocks, expert_weights, linear, linear_weight, stacked_experts
 from .speculative import chain_drafts
@@ -115,13 +116,14 @@ class InputEmbedding(nn.Module):
 
 class MLAttention(nn.Module):
     """Multi-head latent attention with the compressed cache and absorbed up-projections.
-    Under tensor parallelism this rank holds n_heads / tp heads; o_proj's partials are all-reduced."""
+    Under tensor parallelism this rank holds n_heads / tp heads; o_proj's partials are all-reduced.
+    Under context parallelism the cache is striped over the cp group (models/context_parallel.py)."""
 
-    def __init__(self, config: DeepseekV3Config, tp: int = 1):
+    def __init__(self, config: DeepseekV3Config, layout: Layout = Layout()):
         super().__init__()
         c, q = config, config.quantization
-        self.tp = tp
-        self.n_heads = c.num_attention_heads // tp
+        self.tp, self.cp = layout.tp, layout.cp
+        self.n_heads = c.num_attention_heads // layout.tp
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         self.interleaved = c.rope_interleave
@@ -136,39 +138,87 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q)
         self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, q, c.attention_bias)
+        self.layout = layout
+        self.init_buffers()
+
+    def init_buffers(self, rank: int = 0):
+        if self.cp > 1:
+            with torch.device("cpu"):  # derived from the layout, also when the weights are on meta
+                self.register_buffer("cp_rank", torch.tensor(self.layout.cp_rank(rank)), persistent=False)
 
     def forward(self, x, cos, sin, positions, write_slots, read_slots, kv):
         """x [T, D] -> [T, D]. Stores this step's latent + rope key at (write_slots, positions), then
         attends over the cached rows of read_slots: [1] (prefill: one sequence, shared by every
         token) or [T] (decode: one sequence per row). Key j is visible to query t when
-        j <= positions[t]: the cached prefix plus causal attention inside the chunk."""
+        j <= positions[t]: the cached prefix plus causal attention inside the chunk.
+
+        Under context parallelism a prefill chunk's x holds this rank's rows only, [T / cp, D],
+        while positions and the slots are the whole chunk's [T] (models/context_parallel.py)."""
         T = x.shape[0]
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(T, self.n_heads, -1).split([self.nope, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
         q_rope = apply_rope(q_rope, cos[:, None], sin[:, None], self.interleaved)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = apply_rope(k_rope, cos, sin, self.interleaved)  # [T, r]
-        kv.index_put_((write_slots, positions), torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1))
-
-        rows = kv.index_select(0, read_slots)  # [1 or T, L, C]
-        cached_latent, cached_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [.., L, R], [.., L, r]
-        # Absorbed up-projections: attend in the latent space instead of expanding K and V.
-        w_kv_b = linear_weight(self.kv_b_proj, x.dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv_b.split([self.nope, self.v_dim], dim=1)  # [H, n, R], [H, v, R]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        # Grouped by the sequence read, B = 1 or T: a prefill's T x H queries are one product with
-        # its one cache, not T products with a broadcast copy of it (which bf16 matmuls materialize).
-        B, L = rows.shape[:2]
-        scores = (torch.matmul(q_latent.reshape(B, -1, self.kv_lora_rank), cached_latent.mT)
-                  + torch.matmul(q_rope.reshape(B, -1, self.rope_dim), cached_rope.mT)).view(T, self.n_heads, L)  # [T, H, L]
-        key_positions = torch.arange(L, device=rows.device)
-        visible = key_positions[None, :] <= positions[:, None]  # [T, L]
-        scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
-        out_latent = torch.matmul(probs.view(B, -1, L), cached_latent).view(T, self.n_heads, -1)  # [T, H, R]
+        new = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C]
+        if self.cp > 1:
+            out_latent, w_uv = self.attend_striped(q_nope, q_rope, new, positions, write_slots, read_slots, kv)
+        else:
+            kv.index_put_((write_slots, positions), new)
+            rows = kv.index_select(0, read_slots)  # [1 or T, L, C]
+            cached_latent, cached_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, L, R], [B, L, r]
+            w_uk, w_uv = self.absorbed(x.dtype)
+            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+            scores = self.scores(q_latent, q_rope, cached_latent, cached_rope)  # [T, H, L]
+            visible = torch.arange(rows.shape[1], device=rows.device)[None, :] <= positions[:, None]  # [T, L]
+            scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
+            out_latent = self.weighted(probs, cached_latent)  # [T, H, R]
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v]
         out = self.o_proj(out.flatten(1))
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
+
+    def absorbed(self, dtype):
+        """The up-projections absorbed into the query and the output (attention in the latent
+        space instead of expanding K and V): w_uk [H, n, R], w_uv [H, v, R]."""
+        w_kv_b = linear_weight(self.kv_b_proj, dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w_kv_b.split([self.nope, self.v_dim], dim=1)
+
+    def scores(self, q_latent, q_rope, cached_latent, cached_rope):
+        """Queries [T, H, R], [T, H, r] against the cached latents [B, L, R] and rope keys
+        [B, L, r] of B = 1 or T sequences -> [T, H, L]. Grouped by the sequence read: a prefill's
+        T x H queries are one product with its one cache, not T products with a broadcast copy of
+        it (which bf16 matmuls materialize)."""
+        B, L = cached_latent.shape[:2]
+        scores = (torch.matmul(q_latent.reshape(B, -1, self.kv_lora_rank), cached_latent.mT)
+                  + torch.matmul(q_rope.reshape(B, -1, self.rope_dim), cached_rope.mT))
+        return scores.view(q_latent.shape[0], self.n_heads, L)
+
+    def weighted(self, probs, cached_latent):
+        """probs [T, H, L] over the rows' latents [B, L, R] -> [T, H, R]."""
+        B, L = cached_latent.shape[:2]
+        return torch.matmul(probs.view(B, -1, L), cached_latent).view(probs.shape[0], self.n_heads, -1)
+
+    def attend_striped(self, q_nope, q_rope, new, positions, write_slots, read_slots, kv):
+        """The attention under context parallelism, over this rank's stripe of the cache, merged
+        with the group's -> [T, H, R] for this rank's rows, and w_uv (models/context_parallel.py)."""
+        cp, H = self.cp, self.n_heads
+        w_uk, w_uv = self.absorbed(q_nope.dtype)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        split = q_latent.shape[0] != positions.shape[0]  # a prefill chunk: this rank's rows only
+        if split:  # the chunk's queries and new keys from the group
+            sizes = [H * self.kv_lora_rank, H * self.rope_dim, new.shape[-1]]
+            q_latent, q_rope, new = context_parallel.gather(torch.cat([q_latent.flatten(1), q_rope.flatten(1), new], dim=-1), cp).split(sizes, -1)
+            q_latent, q_rope = q_latent.reshape(-1, H, self.kv_lora_rank), q_rope.reshape(-1, H, self.rope_dim)
+        kv.index_put_(context_parallel.stripe(positions, write_slots, self.cp_rank, cp, kv.shape[0] - 1), new)
+        rows = kv.index_select(0, read_slots)  # [1 or T, L / cp, C]
+        cached_latent, cached_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        scores = self.scores(q_latent, q_rope, cached_latent, cached_rope)
+        keys = context_parallel.key_positions(rows.shape[1], self.cp_rank, cp, rows.device)
+        scores = (scores * self.scale).masked_fill(~(keys[None, :] <= positions[:, None])[:, None, :], float("-inf"))
+        probs, lse = context_parallel.partial_softmax(scores)  # [T, H, L / cp], [T, H]
+        out_latent = context_parallel.merge(self.weighted(probs.to(q_latent.dtype), cached_latent), lse, cp)
+        return (context_parallel.own_rows(out_latent, self.cp_rank, cp) if split else out_latent), w_uv
 
 
 class MLP(nn.Module):
@@ -251,7 +301,7 @@ class MoE(nn.Module):
 
     def init_buffers(self, rank: int = 0):
         with torch.device("cpu"):  # derived from the layout, also when the weights are on meta
-            for name, value in rank_buffers(self.layout, self.config, rank).items():
+            for name, value in moe_buffers(self.layout, self.config, rank).items():
                 self.register_buffer(name, value, persistent=False)
 
     def forward(self, x):
@@ -281,7 +331,7 @@ class DecoderLayer(nn.Module):
         tp = layout.tp
         self.kind = "moe" if moe else "dense"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, tp)
+        self.self_attn = MLAttention(config, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if moe:
             self.mlp = MoE(config, layout)
@@ -291,7 +341,13 @@ class DecoderLayer(nn.Module):
     def forward(self, h, pending, cos, sin, positions, write_slots, read_slots, kv):
         h = h + pending
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, write_slots, read_slots, kv)
-        return h, self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        if self.kind == "moe" and h.shape[0] != positions.shape[0]:
+            # A prefill chunk under context parallelism: every rank computes its experts for the
+            # whole chunk, whose rows the cp group holds a block each.
+            cp, cp_rank = self.self_attn.cp, self.self_attn.cp_rank
+            return h, context_parallel.own_rows(self.mlp(context_parallel.gather(x, cp)), cp_rank, cp)
+        return h, self.mlp(x)
 
 
 class LMHead(nn.Module):
@@ -393,6 +449,7 @@ class MTPPrefill(nn.Module):
 
 
 class DeepseekV3(nn.Module):
+    CONTEXT_PARALLEL = True  # parallel.cp splits the latent cache over a group (models/context_parallel.py)
     # Router parameters stay float32 whatever the model dtype, as in HF.
     FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")
     # From this sub-module on a layer reads no state: under context buckets the compiler starts a
@@ -411,6 +468,9 @@ class DeepseekV3(nn.Module):
         self.mtp_prefill = nn.ModuleList(MTPPrefill(layer) for layer in self.mtp)
         self.head = (HeadKeepingHidden if config.draft_tokens else LMHead)(config, layout.tp)
         self.scorer = PromptScorer()
+        if layout.cp > 1:  # a prefill chunk's rows, split over the cp group and gathered before the head
+            self.split_rows = context_parallel.SplitRows(layout)
+            self.gather_rows = context_parallel.GatherRows(layout.cp)
         self.tie_weights()
 
     def tie_weights(self):
@@ -426,8 +486,9 @@ class DeepseekV3(nn.Module):
         """Per layer one tensor [max_seqs + 1, max_len, C], one entry per position; slot max_seqs
         is the scratch slot. An MTP module adds its own latent cache and `hidden` [max_seqs + 1,
         max_len, D]: the hidden state its draft at each position starts from."""
-        dtype = self.embed.weight.dtype
-        latent = StateSpec("latent", [max_seqs + 1, max_len, self.config.kv_cache_dim], dtype, positions_per_entry=1)
+        dtype, cp = self.embed.weight.dtype, self.layout.cp
+        # Under context parallelism a rank keeps every cp-th position (models/context_parallel.py).
+        latent = StateSpec("latent", [max_seqs + 1, max_len // cp, self.config.kv_cache_dim], dtype, positions_per_entry=cp)
         hidden = StateSpec("hidden", [max_seqs + 1, max_len, self.config.hidden_size], dtype, positions_per_entry=1)
         return [[latent] for _ in self.layers] + [[latent, hidden] for _ in self.mtp]
 
@@ -444,8 +505,12 @@ class DeepseekV3(nn.Module):
     def _prefill(self, tokens, positions, write_slots, read_slot, state, *last_index):
         """-> logits [T, V], or [1, V] at `last_index` when given."""
         h, pending, cos, sin = self.embed(tokens, positions)
+        if self.layout.cp > 1:
+            h, pending, cos, sin = self.split_rows(h, pending, cos, sin)
         for layer, layer_state in zip(self.layers, state):
             h, pending = layer(h, pending, cos, sin, positions, write_slots, read_slot, *layer_state)
+        if self.layout.cp > 1:
+            h, pending = self.gather_rows(h, pending)
         if not self.mtp:
             return self.head(h, pending, *last_index)
         latent, hidden = state[len(self.layers)]

@@ -48,7 +48,7 @@ from . import deepseek_v3
 from .deepseek_v3 import rope_frequencies
 from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, layer_kind
 from .moe import routed_experts
-from .parallel import Layout, rank_buffers
+from .parallel import Layout, moe_buffers
 from .prompt_scoring import PromptScorer
 from .quantization import expert_weights, linear, linear_weight, stacked_experts
 from .speculative import blocks, chain_drafts
@@ -348,7 +348,7 @@ class MoE(nn.Module):
 
     def init_buffers(self, rank: int = 0):
         with torch.device("cpu"):
-            for name, value in rank_buffers(self.layout, self.config, rank).items():
+            for name, value in moe_buffers(self.layout, self.config, rank).items():
                 self.register_buffer(name, value, persistent=False)
 
     def forward(self, x, tokens):
@@ -553,6 +553,7 @@ class MTPPrefill(nn.Module):
 
 
 class DeepseekV4(nn.Module):
+    CONTEXT_PARALLEL = False  # not yet: its windows, compressors and indexer under parallel.cp
     STATE_FREE_FROM = "layers.*.ffn_norm"  # as DeepseekV3's: the MoE after it reads no state
 
     def __init__(self, config: DeepseekV4Config, layout: Layout = Layout()):

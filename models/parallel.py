@@ -1,8 +1,11 @@
 """How a model is split over ranks, as data: which dim of which weight, and what each rank owns.
 
-Layout (world_size W, tp, ep):
+Layout (world_size W, tp, ep, cp):
 - MLA heads, the dense MLP, the shared experts and the LM head's vocabulary split over `tp`
-  consecutive ranks; the W/tp groups of tp ranks are replicas that compute the same tokens.
+  consecutive ranks; the W/tp groups of tp ranks are replicas that compute the same tokens,
+  unless `cp` > 1: then groups of cp replicas share one replica's sequences, each keeping every
+  cp-th position of the state and computing its block of a prompt chunk's rows
+  (models/context_parallel.py).
   o_proj and down_proj are row-parallel: the partial sums meet in an all-reduce over "tp".
 - Routed experts: each rank HOLDS E/ep experts (its EP shard) and OWNS E/W of them, the ones it
   computes; a routed expert owned elsewhere contributes zero here. The owned partial sum joins
@@ -66,11 +69,17 @@ class Layout:
     world_size: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def replicas(self) -> int:
         """Data-parallel factor of the tp-sharded parts: world_size = tp x replicas."""
         return self.world_size // self.tp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which of its context-parallel group's cp shares rank holds: replicas r and r + 1 of
+        the same tp index are neighbours in a cp group (ranks rank % tp + tp k)."""
+        return rank // self.tp % self.cp
 
     def split(self, name: str) -> tuple[int, int] | None:
         """(dim, parts) that parameter `name` is split into, or None if every rank holds all of it.
@@ -97,6 +106,10 @@ class Layout:
             raise LayoutError(f"parallel: world_size={w} must be tp={tp} x replicas; {w} is not divisible by {tp}.")
         if w % ep:
             raise LayoutError(f"parallel: ep={ep} must divide world_size={w} (each EP shard is held by world_size/ep ranks).")
+        if self.cp < 1 or (w // tp) % self.cp:
+            raise LayoutError(f"parallel: cp={self.cp} must divide world_size / tp = {w // tp}, the replicas of the tp-split "
+                              "model: a context-parallel group is cp ranks of one tp index that would otherwise compute "
+                              "the same rows. Choose cp among the divisors of world_size / tp.")
         sizes = [(what, n, tp, "tp") for what, n in c.tp_sharded_sizes().items()]
         for what, n, parts, name in sizes + [
             ("n_routed_experts", c.n_routed_experts, ep, "ep"),
@@ -116,7 +129,12 @@ class Layout:
 
 
 def rank_buffers(layout: Layout, config, rank: int) -> dict[str, torch.Tensor]:
-    """Per-MoE-layer buffer values for `rank` (the same for every MoE layer)."""
+    """Buffer values for `rank` by leaf name (the same in every layer): the MoE's, and the
+    attention's place in its context-parallel group."""
+    return {**moe_buffers(layout, config, rank), "cp_rank": torch.tensor(layout.cp_rank(rank))}
+
+
+def moe_buffers(layout: Layout, config, rank: int) -> dict[str, torch.Tensor]:
     held = config.n_routed_experts // layout.ep
     owned = config.n_routed_experts // layout.world_size
     return {

@@ -13,9 +13,10 @@ from .errors import DeepinferError
 
 
 def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_port: int,
-                node_size: int | None = None):
+                node_size: int | None = None, cp: int = 1):
     """`node_size` (ranks per node group) also makes the world.inner / world.outer groups of the
-    hierarchical all-reduce."""
+    hierarchical all-reduce; `cp` > 1 the context-parallel groups: cp ranks of one tp index in
+    consecutive replicas (rank % tp + tp k)."""
     timeout = timedelta(seconds=knobs.collective_timeout_s())
     startup = knobs.startup_timeout_s()
     try:
@@ -34,6 +35,9 @@ def init_groups(rank: int, world_size: int, tp: int, master_addr: str, master_po
             "output says which. On a slow or busy host raise DEEPINFER_STARTUP_TIMEOUT.") from None
     groups = {"world": dist.group.WORLD}
     groups["tp"] = _own_group([list(range(s, s + tp)) for s in range(0, world_size, tp)], rank, timeout)
+    if cp > 1:
+        groups["cp"] = _own_group([list(range(s + i, s + tp * cp, tp)) for s in range(0, world_size, tp * cp) for i in range(tp)],
+                                  rank, timeout)
     if node_size:
         groups["world.inner"] = _own_group([list(range(s, s + node_size)) for s in range(0, world_size, node_size)], rank, timeout)
         groups["world.outer"] = _own_group([list(range(i, world_size, node_size)) for i in range(node_size)], rank, timeout)

@@ -90,7 +90,7 @@ def join(executor: BundleExecutor, rank: int, world_size: int, master_addr: str,
     from .distributed import init_groups
 
     m = executor.manifest
-    init_groups(rank, world_size, m.parallel["tp"], master_addr, master_port, node_size=node_size(m))
+    init_groups(rank, world_size, m.parallel["tp"], master_addr, master_port, node_size=node_size(m), cp=m.parallel.get("cp", 1))
     host, local_rank, _ = host_position(rank, world_size)
     mine = {"rank": rank, "manifest": sha256_file(executor.bundle / "manifest.json"), "toolchain": toolchain_versions(),
             "world_size": m.parallel["world_size"], "host": host, "local_rank": local_rank}

@@ -202,6 +202,9 @@ def check_manifest(m: Manifest, where: str):
         bad(f"parallel.world_size {world!r} must be a positive integer equal to the number of weight_files ({len(m.weight_files)})")
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % tp:
         bad(f"parallel.tp {tp!r} must be a positive integer dividing world_size {world}")
+    cp = m.parallel.get("cp", 1)
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or (world // tp) % cp:
+        bad(f"parallel.cp {cp!r} must be a positive integer dividing world_size / tp = {world // tp}")
     node = m.parallel.get("hierarchical_allreduce") or 0
     if not isinstance(node, int) or isinstance(node, bool) or node and (node < 2 or world % node):
         bad(f"parallel.hierarchical_allreduce {node!r} must be 0 or a group size dividing world_size {world}")
@@ -274,7 +277,7 @@ def check_manifest(m: Manifest, where: str):
             if step.collective is None and step.region not in m.regions:
                 bad(f"program {key} calls region {step.region!r}, which the manifest does not list")
             if step.collective is not None and (step.collective.get("op") not in ("all_reduce", "all_gather")
-                                                or step.collective.get("group") not in ("world", "tp") or world == 1
+                                                or step.collective.get("group") not in ("world", "tp", "cp") or world == 1
                                                 or step.collective.get("hierarchical") and not node):
                 bad(f"program {key} runs a collective {step.collective!r} this {world}-rank bundle cannot have")
     referenced = [r.file for r in m.regions.values()] + m.weight_files + [f for f in (m.tokenizer, m.chat_template) if f]

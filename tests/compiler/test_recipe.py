@@ -68,6 +68,14 @@ def test_bad_recipes_name_key_and_line(tmp_path, old, new, message):
         ({"methods": {"prefill": {"buckets": [16], "context": []}}}, r"methods.prefill.context: is empty"),
         ({"methods": {"prefill": {"buckets": [16], "context": 64}}}, r"methods.prefill.context: must be list, not int"),
         ({"parallel": {"device_memory_gib": 0}}, r"parallel.device_memory_gib: 0.0 must be in \(0, 1048576\]: the memory of one"),
+        ({"parallel": {"world_size": 2, "tp": 2, "ep": 2, "cp": 2}}, r"parallel.cp: 2 must divide world_size / tp = 1"),
+        ({"parallel": {"world_size": 4, "ep": 2, "cp": 3}}, r"parallel.cp: 3 must divide world_size / tp = 4"),
+        ({"parallel": {"world_size": 2, "ep": 2, "cp": 2}, "methods": {"prefill": {"buckets": [15]}}},
+         r"methods.prefill.buckets: bucket 15 is not a multiple of parallel.cp=2"),
+        ({"parallel": {"world_size": 2, "ep": 2, "cp": 2}, "kv": {"max_seqs": 4, "max_len": 255}},
+         r"kv.max_len: 255 is not a multiple of parallel.cp=2"),
+        ({"parallel": {"world_size": 2, "ep": 2, "cp": 2}, "methods": {"decode": {"buckets": [1], "context": [63]}}},
+         r"methods.decode.context: context bucket 63 is not a multiple of parallel.cp=2"),
     ],
 )
 def test_invalid_values(tmp_path, changes, message):
@@ -98,6 +106,7 @@ V4 = TINY_RECIPE.parent / "tiny-v4.yaml"
         ({"model": {"compress_rate": 4}}, r"unknown field\(s\) \['compress_rate'\]"),
         ({"methods": {"decode": {"buckets": [1], "context": [32, 40]}, "prefill": {"buckets": [16]}}},
          r"methods.decode.context: context bucket 40 must be a multiple of every compress rate"),
+        ({"parallel": {"world_size": 2, "ep": 2, "cp": 2}}, r"parallel.cp: model.arch deepseek_v4 does not split its state"),
     ],
 )
 def test_deepseek_v4_constraints_name_the_key(tmp_path, changes, message):

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.models import TINY_CONFIG, build_model
 from deepinfer.models.moe import dense, expert_places, grouped_passes, routed_experts
-from deepinfer.models.parallel import Layout, rank_buffers
+from deepinfer.models.parallel import Layout, moe_buffers
 from deepinfer.models.deepseek_v3 import swiglu
 from deepinfer.models.quantization import expert_weights
 
@@ -24,7 +24,7 @@ def forms(moe, x, capacity: float, rank_of: tuple[int, int] | None = None) -> tu
     """(routed_experts at `capacity`, the dense form) for rows x, on the rank `rank_of` = (rank,
     world_size) owns (all experts when None)."""
     if rank_of is not None:
-        for name, value in rank_buffers(Layout(rank_of[1], 1, 1), moe.config, rank_of[0]).items():
+        for name, value in moe_buffers(Layout(rank_of[1], 1, 1), moe.config, rank_of[0]).items():
             setattr(moe, name, value)
     weights, ids = moe.gate(x)
     gate_up = expert_weights(moe, "experts_gate_up", x.dtype, None)

@@ -28,6 +28,7 @@ LAYOUTS = {
     "ws2_tp2_ep2": {"world_size": 2, "tp": 2, "ep": 2},
     "ws4_tp1_ep4": {"world_size": 4, "tp": 1, "ep": 4},
     "ws4_tp2_ep2_hier": {"world_size": 4, "tp": 2, "ep": 2, "hierarchical_allreduce": 2},
+    "ws4_cp2_tp2": {"world_size": 4, "tp": 2, "ep": 2, "cp": 2},  # context parallel: models/context_parallel.py
 }
 
 

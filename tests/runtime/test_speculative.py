@@ -129,12 +129,14 @@ def test_rejection_sampling_keeps_the_models_distribution():
 @pytest.fixture(scope="module")
 def spec_bundles(tmp_path_factory, cache_dir):
     """The tiny models with their MTP modules, compiled with k draft tokens (export): V3 with context
-    buckets on the decode side, and at world size 2; V4 at world size 2 with context buckets."""
+    buckets on the decode side, and at world size 2 context-parallel (cp 2); V4 at world size 2
+    (tp 2) with context buckets."""
     work = tmp_path_factory.mktemp("speculative")
     contexts = {"methods": {"decode": {"buckets": [1, 4], "context": [64]}, "prefill": {"buckets": [16, 64]}}}
     ws2 = {"parallel": {"world_size": 2, "tp": 2, "ep": 2}}
+    cp2 = {"parallel": {"world_size": 2, "tp": 1, "ep": 2, "cp": 2}}
     out = {}
-    for name, arch, k, changes in (("k3-contexts", "deepseek_v3", 3, contexts), ("k2-ws2", "deepseek_v3", 2, ws2),
+    for name, arch, k, changes in (("k3-contexts", "deepseek_v3", 3, contexts), ("k3-cp2-contexts", "deepseek_v3", 3, {**contexts, **cp2}),
                                    ("v4-k3-ws2-contexts", "deepseek_v4", 3, {**contexts, **ws2})):
         model = {"arch": arch, "config": CONFIGS[arch], "expert_overflow": "always"}
         recipe = write_recipe(work, name, model=model, backend={"name": "export"}, **changes,
@@ -167,32 +169,37 @@ def test_an_aotinductor_bundle_speculates_losslessly(tmp_path_factory, cache_dir
     assert greedy(engine) == reference and engine.drafted[0] > 0
 
 
-@pytest.mark.parametrize("bundle, arch", [("k2-ws2", "deepseek_v3"), ("v4-k3-ws2-contexts", "deepseek_v4")])
+@pytest.mark.parametrize("bundle, arch", [("k3-cp2-contexts", "deepseek_v3"), ("v4-k3-ws2-contexts", "deepseek_v4")])
 def test_speculation_at_world_size_2(spec_bundles, bundle, arch):
-    """V4 over 2 ranks (tp 2: shared expert and LM head split, attention replicated; ep 2), decode
-    under context buckets 64 and 256: the compressed entries the indexer scores and HCA attends
-    are read up to the context, and the leader tells the follower which context each step runs."""
+    """V3 over a context-parallel group of 2 (its cache striped, prompt chunks split); V4 over 2
+    ranks (tp 2: shared expert and LM head split, attention replicated; ep 2). Decode under
+    context buckets 64 and 256 (V4: the compressed entries the indexer scores and HCA attends are
+    read up to the context), the leader telling the follower which context each step runs, and a
+    prefix copied from a running sequence on both ranks."""
     result = run_bundle(spec_bundles[bundle])
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout)["results"]
     expected = greedy_for(RUN_PROMPTS, RUN_TOKENS, arch)
     assert [r["token_ids"] for r in results] == expected
     assert all(r["tokens_per_step"] >= 1.0 for r in results)
+    manifest = json.loads((spec_bundles[bundle] / "manifest.json").read_text())
+    ratios = {t["name"]: t["positions_per_entry"] for layer in manifest["state"] for t in layer}
+    assert {key.split("/")[-1] for key in manifest["programs"] if key.startswith("decode/")} == {"64", "256"}
     if arch == "deepseek_v4":
-        manifest = json.loads((spec_bundles[bundle] / "manifest.json").read_text())
-        ratios = {t["name"]: t["positions_per_entry"] for layer in manifest["state"] for t in layer}
         assert ratios["window"] is None and ratios["buffer"] is None and ratios["index_entries"] == 4 and ratios["entries"] in (4, 16)
-        assert {key.split("/")[-1] for key in manifest["programs"] if key.startswith("decode/")} == {"64", "256"}
-        # Prefix caching on both ranks: a prompt's second sequence copies the first one's state (its
-        # rings whole, the MTP module's too) from the running sequence's slot, and prefills its last token.
-        repeated = ",".join(map(str, RUN_PROMPTS[1]))
-        result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(spec_bundles[bundle]),
-                                 "--prompt-ids", repeated, "--prompt-ids", repeated, "--max-tokens", str(RUN_TOKENS), "--json"],
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        both = json.loads(result.stdout)["results"]
-        assert [r["cached_tokens"] for r in both] == [0, len(RUN_PROMPTS[1]) - 1]
-        assert both[0]["token_ids"] == both[1]["token_ids"] == expected[1]
+    else:  # a rank keeps every 2nd position; the MTP module's hidden states stay whole
+        assert ratios == {"latent": 2, "hidden": 1}
+    # Prefix caching on both ranks: a prompt's second sequence copies the first one's state (V4:
+    # its rings whole, the MTP module's too) from the running sequence's slot, and prefills its last token.
+    repeated = ",".join(map(str, RUN_PROMPTS[1]))
+    result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(spec_bundles[bundle]),
+                             "--prompt-ids", repeated, "--prompt-ids", repeated, "--max-tokens", str(RUN_TOKENS), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    both = json.loads(result.stdout)["results"]
+    reused = len(RUN_PROMPTS[1]) - 1  # all but the last token; under cp 2 whole stripes of 2 positions
+    assert [r["cached_tokens"] for r in both] == [0, reused if arch == "deepseek_v4" else reused // 2 * 2]
+    assert both[0]["token_ids"] == both[1]["token_ids"] == expected[1]
 
 
 def test_the_server_speculates_under_continuous_batching(spec_bundles, reference):

@@ -189,23 +189,28 @@ class Attention(nn.Module):
     """Shared-KV MQA with sinks over the sliding window (+ compressed entries), partial interleaved
     rope on the last channels (undone on the output), grouped low-rank output projection."""
 
-    def __init__(self, config: DeepseekV4Config, attention_type: str):
+    def __init__(self, config: DeepseekV4Config, attention_type: str, tp: int = 1):
         super().__init__()
         c = config
-        self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads, c.head_dim, c.sliding_window, c.rms_norm_eps
-        self.rate, self.groups = c.compress_rate(attention_type), c.o_groups
+        # Under tensor parallelism this rank holds n_heads / tp query heads, in o_groups / tp whole
+        # output groups (a group's heads are consecutive): wq_b and wo_a by rows, wo_b by columns
+        # (row-parallel: partial sums all-reduced over tp). The shared K=V head, the compressors and
+        # the indexer are every head's: each rank computes them whole (models/parallel.py).
+        self.tp = tp
+        self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads // tp, c.head_dim, c.sliding_window, c.rms_norm_eps
+        self.rate, self.groups = c.compress_rate(attention_type), c.o_groups // tp
         # Speculative decoding writes up to k drafts past the accepted tokens: rings keep k spare
         # entries, so a rejected draft's write evicts only positions no later step reads.
         self.spare = c.draft_tokens
         q = c.quantization  # fp8 in DeepSeek's release; the compressors and the indexer's scoring stay bf16
         self.wq_a = linear(c.hidden_size, c.q_lora_rank, q)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, q)
+        self.wq_b = linear(c.q_lora_rank, self.n_heads * c.head_dim, q)
         self.wkv = linear(c.hidden_size, c.head_dim, q)
         self.norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.wo_a = linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, q)
-        self.wo_b = linear(c.o_groups * c.o_lora_rank, c.hidden_size, q)
-        self.attn_sink = nn.Parameter(torch.empty(c.num_attention_heads, dtype=torch.float32))
+        self.wo_a = linear(c.num_attention_heads * c.head_dim // c.o_groups, self.groups * c.o_lora_rank, q)
+        self.wo_b = linear(self.groups * c.o_lora_rank, c.hidden_size, q)
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         if self.rate:
             self.compressor = Compressor(c, c.head_dim, self.rate, overlap=attention_type == CSA)
         if attention_type == CSA:
@@ -262,7 +267,8 @@ class Attention(nn.Module):
         out = apply_rope(out, cos[:, None], -sin[:, None])  # V carried the keys' rotation: undo it at the query
         grouped = out.view(N * T, self.groups, -1)  # [R, g, H Dh / g]
         w = linear_weight(self.wo_a, grouped.dtype).view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H Dh / g]
-        return self.wo_b(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
+        out = self.wo_b(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
+        return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
 
 
 def hyper_connection(h, fn, base, scale, iters: int, eps: float, norm_eps: float):
@@ -413,7 +419,7 @@ class DecoderLayer(nn.Module):
             setattr(self, f"hc_{block}_base", nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32)))
             setattr(self, f"hc_{block}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
         self.attn_norm = RMSNorm(D, c.rms_norm_eps)
-        self.attn = Attention(c, attention_type)
+        self.attn = Attention(c, attention_type, layout.tp)
         self.ffn_norm = RMSNorm(D, c.rms_norm_eps)
         self.ffn = MoE(c, mlp_type == "hash_moe", layout)
 

@@ -83,12 +83,15 @@ class DeepseekV4Config:
         return None
 
     def tp_sharded_sizes(self) -> dict[str, int]:
-        """Sizes split over tp ranks: the shared expert and the LM head (attention is replicated)."""
-        return {"moe_intermediate_size": self.moe_intermediate_size, "vocab_size": self.vocab_size}
+        """Sizes split over tp ranks: the query heads in whole output groups, the shared expert
+        and the LM head."""
+        return {"num_attention_heads": self.num_attention_heads, "o_groups": self.o_groups,
+                "moe_intermediate_size": self.moe_intermediate_size, "vocab_size": self.vocab_size}
 
     def row_parallel_inputs(self) -> dict[str, int]:
-        """Input widths of the weights split by columns over tp: the shared expert's w2."""
-        return {"moe_intermediate_size": self.moe_intermediate_size}
+        """Input widths of the weights split by columns over tp: the shared expert's w2, and
+        wo_b (o_groups x o_lora_rank)."""
+        return {"moe_intermediate_size": self.moe_intermediate_size, "o_groups x o_lora_rank": self.o_groups * self.o_lora_rank}
 
     def to_dict(self) -> dict:
         """HF-style dict that `from_dict` reads back unchanged."""

@@ -20,12 +20,14 @@ Rank-dependent values (expert offsets, the owned range, the shared-expert scale)
 by `assign_rank`, so every rank traces and runs the SAME graph.
 
 DeepSeek-V4 splits the same way (routed experts over ep/world, the shared expert and the LM head
-over tp), except its attention, which stays REPLICATED on every rank (as in transformers' own TP
-plan). V4 attention is shared-KV MQA: one K=V head that every query head reads, plus the
-compressors and the indexer, all computed from the full hidden state. Sharding query heads would
-split only wq_b and wo_a (by o-group) while every rank still computed the whole KV side and the
-indexer, and it would add an all-reduce per layer on the decode critical path; at decode the
-MoE dominates the bytes read, and that is what tp/ep split.
+over tp), and its attention's query side over tp too: V4 attention is shared-KV MQA (one K=V head
+that every query head reads) with a grouped low-rank output projection, so a rank takes
+n_heads / tp heads in o_groups / tp whole groups -- wq_b and wo_a by rows, wo_b by columns
+(row-parallel, then an all-reduce over tp), the sinks by head -- while the K=V head, the
+compressors and the indexer, every head's inputs, are computed whole on each rank. Those are the
+attention's large weights (V4-Pro: wq_b, wo_a and wo_b are most of the 19 GiB of attention
+weights a rank held when attention was replicated, which kept V4-Pro off a trn2 node); the price
+is one all-reduce over tp a layer.
 """
 
 from dataclasses import dataclass
@@ -52,6 +54,10 @@ TP_SPLITS = {
     "ffn.shared_experts.w1.weight": 0,  # DeepSeek-V4 names
     "ffn.shared_experts.w3.weight": 0,
     "ffn.shared_experts.w2.weight": 1,
+    "attn.wq_b.weight": 0,  # V4's query heads, in whole output groups
+    "attn.wo_a.weight": 0,
+    "attn.wo_b.weight": 1,
+    "attn.attn_sink": 0,
     "head.weight": 0,
 }
 # parameter name suffix -> dim split over ep

@@ -139,6 +139,7 @@ class Leader:
         self.logs: list = []  # each follower's unnamed output file
         self.stopping = False
         self.failing = threading.Lock()  # taken once, by whoever reports a dead follower first
+        self.reported = threading.Event()  # set once that report is made (on_failure called)
         self.watchdog: threading.Thread | None = None
         self.relays = None  # the group to the other hosts' first ranks (torchrun --nnodes > 1)
         self.step_id = 0
@@ -206,14 +207,22 @@ class Leader:
         size = os.fstat(fd).st_size
         return os.pread(fd, 2000, max(0, size - 2000)).decode(errors="replace").strip() or "(nothing)"
 
-    def check_followers(self):
+    def check_followers(self, grace_s: float = 2.0):
         """Report a follower that has ended, as the watchdog would: called when a collective failed,
-        which a dead peer causes before the watchdog's next look."""
-        for rank, process in enumerate(self.followers, start=1):
-            code = process.poll()
-            if code is not None:
-                self._fail(rank, code)
+        which a dead peer causes before the watchdog's next look. A killed process closes its
+        sockets before it can be reaped, so the peers' collective can fail first: wait up to
+        `grace_s` for the follower that is ending."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, process in enumerate(self.followers, start=1):
+                code = process.poll()
+                if code is not None:
+                    self._fail(rank, code)
+                    self.reported.wait(max(0.0, deadline - time.monotonic()))  # (the watchdog may be the one reporting)
+                    return
+            if not self.followers or time.monotonic() > deadline:
                 return
+            time.sleep(0.02)
 
     def _fail(self, rank: int, code: int):
         if not self.failing.acquire(blocking=False):
@@ -226,6 +235,7 @@ class Leader:
         if self.on_failure is None:
             os._exit(1)
         self.on_failure(what)
+        self.reported.set()
 
     def run(self, step: Step):
         record = encode(step, self.max_bucket)

@@ -172,7 +172,7 @@ def test_an_aotinductor_bundle_speculates_losslessly(tmp_path_factory, cache_dir
 @pytest.mark.parametrize("bundle, arch", [("k3-cp2-contexts", "deepseek_v3"), ("v4-k3-ws2-contexts", "deepseek_v4")])
 def test_speculation_at_world_size_2(spec_bundles, bundle, arch):
     """V3 over a context-parallel group of 2 (its cache striped, prompt chunks split); V4 over 2
-    ranks (tp 2: shared expert and LM head split, attention replicated; ep 2). Decode under
+    ranks (tp 2: query heads, shared expert and LM head split; ep 2). Decode under
     context buckets 64 and 256 (V4: the compressed entries the indexer scores and HCA attends are
     read up to the context), the leader telling the follower which context each step runs, and a
     prefix copied from a running sequence on both ranks."""

@@ -1,0 +1,98 @@
+"""Context parallelism at world size 2: cp 2 (the two ranks split a prompt's rows and the state's
+positions) against cp 1 (both ranks compute every row and hold every position), the same model,
+backend and ranks, runs alternated and each rank on one thread:
+
+- TTFT of a 2048-token prompt (4 chunks of 512): cp 2 / cp 1;
+- decode at a 16K context: state bytes a rank (from the manifests) and TPOT, cp 2 / cp 1.
+
+    .venv/bin/python bench/context_parallel_bench.py                 # DeepSeek-V3 (random, ~attention-heavy)
+    .venv/bin/python bench/context_parallel_bench.py --rounds 5
+
+The model is a random DeepSeek-V3 small enough for 2 cores and wide enough in attention that a
+long prompt is mostly attention, as at full size (its MoE experts are split over both ranks in
+either layout). DeepSeek-V4 is not context-parallel yet (its recipe is refused with cp: 2).
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import load_recipe
+
+CONFIG = {"vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
+          "num_hidden_layers": 4, "num_attention_heads": 8, "n_shared_experts": 1, "n_routed_experts": 8,
+          "kv_lora_rank": 256, "q_lora_rank": 256, "qk_rope_head_dim": 32, "v_head_dim": 64, "qk_nope_head_dim": 64,
+          "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+          "max_position_embeddings": 16384}
+PROMPT, CONTEXT = 2048, 16384 - 32  # the decode prompt leaves room for its tokens
+
+
+def write_recipe(work: Path, cp: int) -> Path:
+    recipe = {"name": f"cp{cp}", "model": {"arch": "deepseek_v3", "config": CONFIG, "seed": 0}, "dtype": "float32",
+              "parallel": {"world_size": 2, "tp": 1, "ep": 2, "cp": cp},
+              "methods": {"decode": {"buckets": [1], "context": [2048, 16384]}, "prefill": {"buckets": [512], "context": [2048, 16384]}},
+              "kv": {"max_seqs": 1, "max_len": 16384}, "backend": {"name": "export"}, "output": str(work / f"cp{cp}")}
+    path = work / f"cp{cp}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def state_bytes_per_rank(bundle: Path) -> int:
+    """Bytes of one sequence slot's state on a rank, from the manifest's state specs."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    sizes = {"float32": 4, "bfloat16": 2}
+    return sum(math.prod(t["shape"][1:]) * sizes[t["dtype"]] for layer in manifest["state"] for t in layer)
+
+
+def timing(bundle: Path, prompt_tokens: int, max_tokens: int) -> dict:
+    prompt = ",".join(str(3 + i % 1000) for i in range(prompt_tokens))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), "--prompt-ids", prompt,
+                          "--max-tokens", str(max_tokens), "--json"], capture_output=True, text=True, env=env, timeout=3600)
+    if run.returncode != 0:
+        raise SystemExit(f"deepinfer-run {bundle} failed:\n{run.stderr[-3000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return {**result["timing"], "tokens": result["results"][0]["token_ids"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="alternated runs of each layout (medians reported)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="deepinfer-cp-bench-") as tmp:
+        work = Path(tmp)
+        bundles = {cp: compile_recipe(load_recipe(write_recipe(work, cp)), cache_dir=work / "cache", progress=False).bundle
+                   for cp in (1, 2)}
+        ttft, tpot, tokens = {1: [], 2: []}, {1: [], 2: []}, {1: set(), 2: set()}
+        for _ in range(args.rounds):
+            for cp in (1, 2):
+                short = timing(bundles[cp], PROMPT, 2)
+                ttft[cp].append(short["ttft"])
+                long = timing(bundles[cp], CONTEXT, 17)
+                tpot[cp].append(long["tpot"])
+                tokens[cp].add((tuple(short["tokens"]), tuple(long["tokens"])))
+        state = {cp: state_bytes_per_rank(bundles[cp]) for cp in (1, 2)}
+    median = {name: {cp: statistics.median(v[cp]) for cp in (1, 2)} for name, v in (("ttft", ttft), ("tpot", tpot))}
+    print(f"\nDeepSeek-V3 (random, hidden 512, 8 heads, kv_lora 256, 4 layers), float32, export backend, world size 2 "
+          f"(tp 1, ep 2), each rank 1 thread, {args.rounds} alternated rounds, medians; {os.cpu_count()} cores")
+    print(f"  {'':34s} {'cp 1':>10s} {'cp 2':>10s} {'cp 2 / cp 1':>12s}")
+    print(f"  {f'TTFT, {PROMPT}-token prompt (s)':34s} {median['ttft'][1]:10.3f} {median['ttft'][2]:10.3f} "
+          f"{median['ttft'][2] / median['ttft'][1]:12.2f}")
+    print(f"  {'state a rank, one slot (MiB)':34s} {state[1] / 2**20:10.1f} {state[2] / 2**20:10.1f} {state[2] / state[1]:12.2f}")
+    print(f"  {f'TPOT at a {CONTEXT}-token context (ms)':34s} {median['tpot'][1] * 1e3:10.1f} {median['tpot'][2] * 1e3:10.1f} "
+          f"{median['tpot'][2] / median['tpot'][1]:12.2f}")
+    same = tokens[1] == tokens[2] and len(tokens[1]) == 1
+    print(f"  greedy tokens of cp 2 equal cp 1's: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

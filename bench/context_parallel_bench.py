@@ -5,8 +5,8 @@ backend and ranks, runs alternated and each rank on one thread:
 - TTFT of a 2048-token prompt (4 chunks of 512): cp 2 / cp 1;
 - decode at a 16K context: state bytes a rank (from the manifests) and TPOT, cp 2 / cp 1.
 
-    .venv/bin/python bench/context_parallel_bench.py                 # DeepSeek-V3 (random, ~attention-heavy)
-    .venv/bin/python bench/context_parallel_bench.py --rounds 5
+    .venv/bin/python bench/context_parallel_bench.py                 # one round: ~8 minutes here
+    .venv/bin/python bench/context_parallel_bench.py --rounds 3
 
 The model is a random DeepSeek-V3 small enough for 2 cores and wide enough in attention that a
 long prompt is mostly attention, as at full size (its MoE experts are split over both ranks in
@@ -39,7 +39,7 @@ PROMPT, CONTEXT = 2048, 16384 - 32  # the decode prompt leaves room for its toke
 def write_recipe(work: Path, cp: int) -> Path:
     recipe = {"name": f"cp{cp}", "model": {"arch": "deepseek_v3", "config": CONFIG, "seed": 0}, "dtype": "float32",
               "parallel": {"world_size": 2, "tp": 1, "ep": 2, "cp": cp},
-              "methods": {"decode": {"buckets": [1], "context": [2048, 16384]}, "prefill": {"buckets": [512], "context": [2048, 16384]}},
+              "methods": {"decode": {"buckets": [1], "context": [2048, 4096, 8192, 16384]}, "prefill": {"buckets": [512], "context": [2048, 4096, 8192, 16384]}},
               "kv": {"max_seqs": 1, "max_len": 16384}, "backend": {"name": "export"}, "output": str(work / f"cp{cp}")}
     path = work / f"cp{cp}.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -66,7 +66,7 @@ def timing(bundle: Path, prompt_tokens: int, max_tokens: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="alternated runs of each layout (medians reported)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternated runs of each layout (medians reported)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="deepinfer-cp-bench-") as tmp:
         work = Path(tmp)

@@ -28,6 +28,13 @@ import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinf
 GROUP = "cp"
 
 
+def register_cp_rank(module: nn.Module, layout, rank: int):
+    """The module's place in its cp group as a buffer (a tensor: every rank traces the same graph;
+    each rank's weight file holds its own value, models.parallel.rank_buffers)."""
+    with torch.device("cpu"):  # derived from the layout, also when the weights are on meta
+        module.register_buffer("cp_rank", torch.tensor(layout.cp_rank(rank)), persistent=False)
+
+
 def gather(x: torch.Tensor, cp: int) -> torch.Tensor:
     """The group's x concatenated along dim 0, in group order: [cp N, ...]."""
     return torch.ops.deepinfer.all_gather(x, GROUP, 0, cp)
@@ -82,8 +89,7 @@ class SplitRows(nn.Module):
         self.init_buffers()
 
     def init_buffers(self, rank: int = 0):
-        with torch.device("cpu"):  # derived from the layout, also when the weights are on meta
-            self.register_buffer("cp_rank", torch.tensor(self.layout.cp_rank(rank)), persistent=False)
+        register_cp_rank(self, self.layout, rank)
 
     def forward(self, *rows):
         return tuple(own_rows(x, self.cp_rank, self.layout.cp) for x in rows)

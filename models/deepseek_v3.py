@@ -143,8 +143,7 @@ class MLAttention(nn.Module):
 
     def init_buffers(self, rank: int = 0):
         if self.cp > 1:
-            with torch.device("cpu"):  # derived from the layout, also when the weights are on meta
-                self.register_buffer("cp_rank", torch.tensor(self.layout.cp_rank(rank)), persistent=False)
+            context_parallel.register_cp_rank(self, self.layout, rank)
 
     def forward(self, x, cos, sin, positions, write_slots, read_slots, kv):
         """x [T, D] -> [T, D]. Stores this step's latent + rope key at (write_slots, positions), then

@@ -10,6 +10,7 @@ import time
 from urllib.parse import urlparse
 
 import pytest
+import torch
 import yaml
 
 from deepinfer.compiler.build import compile_recipe
@@ -27,6 +28,7 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['conte
 def bundle(tmp_path_factory, cache_dir):
     """The tiny model as a transformers checkpoint with a chat template, compiled for 2 ranks."""
     config = yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"]
+    torch.manual_seed(0)  # (the same weights every run)
     hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config, num_key_value_heads=4))
     work = tmp_path_factory.mktemp("serve-ws2")
     hf.save_pretrained(work / "checkpoint")
@@ -123,7 +125,8 @@ def test_prefix_caching_at_world_size_2_gives_the_tokens_without_it(bundle):
     """A chat resending its history, then another question after the same first 40 tokens, then
     n = 3 sequences of one prompt (two copy the first one's prefill into their slots), on two
     servers of the same 2-rank bundle (followers replay the leader's steps: a reused slot is reused
-    and a copy is copied on every rank)."""
+    and a copy is copied on every rank). Every answer is 8 tokens (ignore_eos: the random model may
+    end one early), so the tokens reused are known: 40 + 8 - 1, 40, and 30 - 1 for each copy."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
     servers = {"on": Served(bundle), "off": Served(bundle, "--no-prefix-caching")}
     try:
@@ -133,18 +136,20 @@ def test_prefix_caching_at_world_size_2_gives_the_tokens_without_it(bundle):
             for prompt_end in ([7, 8], [9, 10], None):
                 prompt = history if prompt_end else history[:40] + [11, 12]
                 status, body = request("POST", f"{served.url}/v1/completions",
-                                       {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}, auth)
+                                       {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                                        "ignore_eos": True}, auth)
                 assert status == 200, body
                 tokens[name].append(body["choices"][0]["token_ids"])
                 history = history + tokens[name][-1] + (prompt_end or [])
             status, body = request("POST", f"{served.url}/v1/completions", {"prompt": list(range(60, 90)), "n": 3,
-                                   "max_tokens": 8, "temperature": 0, "return_token_ids": True}, auth)
+                                   "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                                   "ignore_eos": True}, auth)
             assert status == 200, body
             tokens[name] += [choice["token_ids"] for choice in body["choices"]]
         assert tokens["on"] == tokens["off"]
         assert servers["on"].metric("deepinfer_prefix_cache_hits_total") == 4
         assert servers["on"].metric("deepinfer_prefix_cache_copies_total") == 2
-        assert servers["on"].metric("deepinfer_prefix_cache_hit_tokens_total") >= 40 + 47 + 2 * 29
+        assert servers["on"].metric("deepinfer_prefix_cache_hit_tokens_total") == 47 + 40 + 2 * 29
         assert servers["off"].metric("deepinfer_prefix_cache_hits_total") == 0
     finally:
         for served in servers.values():

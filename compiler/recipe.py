@@ -194,13 +194,14 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     if kv["max_len"] > config.max_position_embeddings:
         fail("kv.max_len", f"{kv['max_len']} is past the model's max_position_embeddings={config.max_position_embeddings}: "
              "positions beyond it were never trained (and RoPE scaling is defined up to it). Lower kv.max_len.")
-    problem = config.max_len_problem(kv["max_len"])
+    cp = values["parallel"]["cp"]
+    _check_cp(values["parallel"], model["arch"], buckets, contexts, kv["max_len"], fail)
+    problem = config.max_len_problem(kv["max_len"], cp)
     if problem:
         fail("kv.max_len", problem)
     speculative = _speculative(values["speculative"], config, fail)
-    _check_cp(values["parallel"], model["arch"], buckets, contexts, kv["max_len"], fail)
     for method, sizes in contexts.items():
-        problem = next(filter(None, map(config.max_len_problem, sizes)), None)
+        problem = next(filter(None, (config.max_len_problem(size, cp) for size in sizes)), None)
         if problem:
             fail(f"methods.{method}.context", f"context bucket {problem}")
     return Recipe(

@@ -40,6 +40,15 @@ def gather(x: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.ops.deepinfer.all_gather(x, GROUP, 0, cp)
 
 
+def gather_rows(rows, cp: int) -> tuple[torch.Tensor, ...]:
+    """Per-row tensors [N, ...] of this rank -> the group's [cp N, ...] each, in one all-gather
+    (packed in the widest dtype; each comes back in its own)."""
+    flat = [x.flatten(1) for x in rows]
+    sizes = [x.shape[1] for x in flat]
+    parts = gather(torch.cat(flat, dim=-1), cp).split(sizes, dim=-1)
+    return tuple(part.to(x.dtype).view(-1, *x.shape[1:]) for part, x in zip(parts, rows))
+
+
 def own_rows(x: torch.Tensor, cp_rank: torch.Tensor, cp: int) -> torch.Tensor:
     """This rank's block of the rows of x [T, ...] -> [T / cp, ...]."""
     n = x.shape[0] // cp
@@ -55,6 +64,20 @@ def stripe(positions: torch.Tensor, slots: torch.Tensor, cp_rank: torch.Tensor, 
 def key_positions(entries: int, cp_rank: torch.Tensor, cp: int, device) -> torch.Tensor:
     """[entries]: the position each entry of this rank's shard holds."""
     return torch.arange(entries, device=device) * cp + cp_rank
+
+
+def top_k(scores: torch.Tensor, k: int, cp_rank: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [..., E / cp] of this rank's entries (entry i holds the group's entry i cp + cp_rank;
+    -inf: not visible) -> the top min(k, E) entries of the whole group's E: their ids [..., k]
+    and whether each is visible. Any top-k entry of the group is among the top-k of the rank that
+    holds it, so the top-k of the group's candidates is the top-k of all E (one all-gather)."""
+    local = scores.topk(min(k, scores.shape[-1]), dim=-1)  # [..., k']
+    ids = local.indices * cp + cp_rank
+    packed = torch.stack([local.values.float(), ids.float()], dim=-1)  # [..., k', 2] (ids < 2^24: exact in float32)
+    parts = gather(packed, cp).view(cp, *packed.shape).movedim(0, -3)  # [..., cp, k', 2]
+    values, ids = parts.flatten(-3, -2).unbind(-1)  # [..., cp k'] each
+    best = values.topk(min(k, scores.shape[-1] * cp), dim=-1)
+    return ids.gather(-1, best.indices).long(), torch.isfinite(best.values)
 
 
 def partial_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,5 +126,4 @@ class GatherRows(nn.Module):
         self.cp = cp
 
     def forward(self, *rows):
-        sizes = [x.shape[-1] for x in rows]
-        return tuple(gather(torch.cat(rows, dim=-1), self.cp).split(sizes, dim=-1))
+        return gather_rows(rows, self.cp)

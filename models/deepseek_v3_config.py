@@ -99,8 +99,8 @@ class DeepseekV3Config:
                 "intermediate_size": self.intermediate_size,
                 "moe_intermediate_size x n_shared_experts": self.moe_intermediate_size * self.n_shared_experts}
 
-    def max_len_problem(self, max_len: int) -> str | None:
-        """Why kv.max_len cannot size this model's state, or None."""
+    def max_len_problem(self, max_len: int, cp: int = 1) -> str | None:
+        """Why kv.max_len cannot size this model's state, or None (a multiple of cp is the recipe's check)."""
         return None
 
     def is_moe_layer(self, index: int) -> bool:

@@ -44,7 +44,7 @@ from torch import nn
 
 import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
 
-from . import deepseek_v3
+from . import context_parallel, deepseek_v3
 from .deepseek_v3 import rope_frequencies
 from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, layer_kind
 from .moe import routed_experts
@@ -110,12 +110,13 @@ class Compressor(nn.Module):
     """Pools every `rate` positions into one entry: per channel, a softmax over the window of
     (gate + ape) weights kv; then RMSNorm and the compress rope at the window's first position.
     `overlap` (CSA): projections are two series wide, and entry w pools the first series over
-    window w-1 with the second over window w (2 * rate slots)."""
+    window w-1 with the second over window w (2 * rate slots). Under context parallelism rank c of
+    the group keeps the entries w with w % cp == c, at w // cp (models/context_parallel.py)."""
 
-    def __init__(self, config: DeepseekV4Config, width: int, rate: int, overlap: bool):
+    def __init__(self, config: DeepseekV4Config, width: int, rate: int, overlap: bool, layout: Layout = Layout()):
         super().__init__()
         series = 2 if overlap else 1
-        self.width, self.rate, self.overlap = width, rate, overlap
+        self.width, self.rate, self.overlap, self.layout = width, rate, overlap, layout
         self.wkv = nn.Linear(config.hidden_size, series * width, bias=False)
         self.wgate = nn.Linear(config.hidden_size, series * width, bias=False)
         self.ape = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
@@ -124,24 +125,36 @@ class Compressor(nn.Module):
         self.rope_dim = config.qk_rope_head_dim
         self.init_buffers()
 
-    def init_buffers(self):
+    def init_buffers(self, rank: int = 0):
         with torch.device("cpu"):  # derived from the config, also when the weights are on meta
             inv_freq, self.rope_scale = rope_frequencies(self.rope, self.rope_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if self.layout.cp > 1:
+            context_parallel.register_cp_rank(self, self.layout, rank)
+
+    def entry_ids(self, n: int, device) -> torch.Tensor:
+        """[n]: which entry of the sequence each of this rank's n entries is."""
+        if self.layout.cp == 1:
+            return torch.arange(n, device=device)
+        return context_parallel.key_positions(n, self.cp_rank, self.layout.cp, device)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, D] -> the raw (kv | gate) projections [R, 2kC] the windows pool."""
+        return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
 
     def ring_size(self) -> int:
         return 2 * self.rate if self.overlap else self.rate
 
-    def forward(self, x, start, end, seq_slots, entries, buffer) -> torch.Tensor:
-        """Writes the entries of every window this step closes; returns the sequences' entries
-        [N, L/rate, width] (read after the write)."""
+    def forward(self, raw, start, end, seq_slots, entries, buffer) -> torch.Tensor:
+        """raw [N*T, 2kC] (`project`). Writes the entries of every window this step closes; returns
+        the sequences' entries [N, L/rate (/ cp), width] (read after the write)."""
         N, m, C = seq_slots.shape[0], self.rate, self.width
-        raw = torch.cat([self.wkv(x), self.wgate(x)], dim=-1).view(N, -1, 2 * self.wkv.out_features)  # [N, T, 2kC]
+        raw = raw.view(N, -1, raw.shape[-1])  # [N, T, 2kC]
         T = raw.shape[1]
         ring = buffer.index_select(0, seq_slots)  # [N, R, 2kC], before this step
-        windows = start[:, None] // m + torch.arange(-(-T // m), device=x.device)  # [N, K] candidates
+        windows = start[:, None] // m + torch.arange(-(-T // m), device=raw.device)  # [N, K] candidates
         first = windows * m - (m if self.overlap else 0)
-        q = first[..., None] + torch.arange(self.ring_size(), device=x.device)  # [N, K, S] pooled positions
+        q = first[..., None] + torch.arange(self.ring_size(), device=raw.device)  # [N, K, S] pooled positions
         kv, gate = take_positions(ring, raw, q, start).split(self.wkv.out_features, dim=-1)  # [N, K, S, kC]
         gate = gate + (self.ape.repeat(2, 1) if self.overlap else self.ape)
         if self.overlap:  # slots [0, m): series a of window w-1; [m, 2m): series b of window w
@@ -153,34 +166,44 @@ class Compressor(nn.Module):
         pooled = apply_rope(pooled, cos, sin)
         closed = (windows + 1) * m - 1 <= end[:, None]  # [N, K]; unclosed candidates write the scratch slot
         scratch = entries.shape[0] - 1
-        rows = torch.where(closed, seq_slots[:, None], scratch)
-        entries.index_put_((rows, windows.clamp(max=entries.shape[1] - 1)), pooled)
+        rows, at = torch.where(closed, seq_slots[:, None], scratch), windows
+        if self.layout.cp > 1:  # (another rank's entries: the scratch slot)
+            rows, at = context_parallel.stripe(windows, rows, self.cp_rank, self.layout.cp, scratch)
+        entries.index_put_((rows, at.clamp(max=entries.shape[1] - 1)), pooled)
         update_ring(buffer, ring, raw, start, end, seq_slots)
         return entries.index_select(0, seq_slots)
 
 
 class Indexer(nn.Module):
     """Lightning indexer: scores every compressed entry for each query,
-    sum_h w_h * ReLU(q_h . k_e) * c^-0.5, and keeps the top `index_topk` visible ones."""
+    sum_h w_h * ReLU(q_h . k_e) * c^-0.5, and keeps the top `index_topk` visible ones. Under
+    context parallelism each rank scores its own entries and the group's top-k is merged from
+    every rank's (models/context_parallel.top_k)."""
 
-    def __init__(self, config: DeepseekV4Config):
+    def __init__(self, config: DeepseekV4Config, layout: Layout = Layout()):
         super().__init__()
         c = config
-        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.n_heads, self.head_dim, self.topk, self.cp = c.index_n_heads, c.index_head_dim, c.index_topk, layout.cp
         self.wq_b = linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, c.quantization)
         self.weights_proj = nn.Linear(c.hidden_size, c.index_n_heads, bias=False)
-        self.compressor = Compressor(c, c.index_head_dim, c.compress_rate_csa, overlap=True)
+        self.compressor = Compressor(c, c.index_head_dim, c.compress_rate_csa, overlap=True, layout=layout)
 
-    def forward(self, x, q_residual, cos, sin, start, end, seq_slots, visible, entries, buffer):
+    def project(self, x, q_residual) -> list[torch.Tensor]:
+        """The per-row projections [R, ...]: the compressor's raw rows, the queries, the head weights."""
+        return [self.compressor.project(x), self.wq_b(q_residual), self.weights_proj(x)]
+
+    def forward(self, raw, q, weights, cos, sin, start, end, seq_slots, visible, entries, buffer):
         """-> the top-k entry ids of each query [N, T, k], and which of them it may see (`visible`
-        [N, T, E]: fewer than k windows may have closed)."""
-        keys = self.compressor(x, start, end, seq_slots, entries, buffer)  # [N, E, c]
+        [N, T, E (/ cp)]: fewer than k windows may have closed)."""
+        keys = self.compressor(raw, start, end, seq_slots, entries, buffer)  # [N, E (/ cp), c]
         N, T = visible.shape[:2]
-        q = apply_rope(self.wq_b(q_residual).view(N * T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        q = apply_rope(q.view(N * T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
         scores = torch.einsum("nthc,nec->nthe", q.view(N, T, self.n_heads, -1).float(), keys.float())
-        weights = self.weights_proj(x).float().view(N, T, self.n_heads, 1) * self.n_heads**-0.5
-        scores = (F.relu(scores) * self.head_dim**-0.5 * weights).sum(dim=2)  # [N, T, E]
+        weights = weights.float().view(N, T, self.n_heads, 1) * self.n_heads**-0.5
+        scores = (F.relu(scores) * self.head_dim**-0.5 * weights).sum(dim=2)  # [N, T, E (/ cp)]
         scores = scores.masked_fill(~visible, float("-inf"))
+        if self.cp > 1:
+            return context_parallel.top_k(scores, self.topk, self.compressor.cp_rank, self.cp)
         chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [N, T, k]
         return chosen, visible.gather(-1, chosen)
 
@@ -189,16 +212,18 @@ class Attention(nn.Module):
     """Shared-KV MQA with sinks over the sliding window (+ compressed entries), partial interleaved
     rope on the last channels (undone on the output), grouped low-rank output projection."""
 
-    def __init__(self, config: DeepseekV4Config, attention_type: str, tp: int = 1):
+    def __init__(self, config: DeepseekV4Config, attention_type: str, layout: Layout = Layout()):
         super().__init__()
         c = config
         # Under tensor parallelism this rank holds n_heads / tp query heads, in o_groups / tp whole
         # output groups (a group's heads are consecutive): wq_b and wo_a by rows, wo_b by columns
         # (row-parallel: partial sums all-reduced over tp). The shared K=V head, the compressors and
         # the indexer are every head's: each rank computes them whole (models/parallel.py).
-        self.tp = tp
-        self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads // tp, c.head_dim, c.sliding_window, c.rms_norm_eps
-        self.rate, self.groups = c.compress_rate(attention_type), c.o_groups // tp
+        # Under context parallelism the compressed entries are striped over the cp group; the
+        # window, the compressors' rings and the sinks are every rank's (models/context_parallel.py).
+        self.tp, self.cp, self.layout = layout.tp, layout.cp, layout
+        self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads // layout.tp, c.head_dim, c.sliding_window, c.rms_norm_eps
+        self.rate, self.groups = c.compress_rate(attention_type), c.o_groups // layout.tp
         # Speculative decoding writes up to k drafts past the accepted tokens: rings keep k spare
         # entries, so a rejected draft's write evicts only positions no later step reads.
         self.spare = c.draft_tokens
@@ -212,31 +237,48 @@ class Attention(nn.Module):
         self.wo_b = linear(self.groups * c.o_lora_rank, c.hidden_size, q)
         self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         if self.rate:
-            self.compressor = Compressor(c, c.head_dim, self.rate, overlap=attention_type == CSA)
+            self.compressor = Compressor(c, c.head_dim, self.rate, overlap=attention_type == CSA, layout=layout)
         if attention_type == CSA:
-            self.indexer = Indexer(c)
+            self.indexer = Indexer(c, layout)
+        self.init_buffers()
+
+    def init_buffers(self, rank: int = 0):
+        if self.cp > 1:
+            context_parallel.register_cp_rank(self, self.layout, rank)
 
     def state_specs(self, max_seqs: int, max_len: int, dtype: torch.dtype) -> list[StateSpec]:
-        """The window and the compressors' rings are fixed; the entries grow with the context."""
-        S = max_seqs + 1
+        """The window and the compressors' rings are fixed; the entries grow with the context (a
+        rank of a cp group keeps every cp-th entry)."""
+        S, per_entry = max_seqs + 1, self.rate * self.cp
         specs = [StateSpec("window", [S, self.window + self.spare, self.head_dim], dtype)]
         if self.rate:
-            specs += [StateSpec("entries", [S, max_len // self.rate, self.head_dim], dtype, self.rate),
+            specs += [StateSpec("entries", [S, max_len // per_entry, self.head_dim], dtype, per_entry),
                       StateSpec("buffer", [S, self.compressor.ring_size() + self.spare, 2 * self.compressor.wkv.out_features], dtype)]
         if hasattr(self, "indexer"):
             index = self.indexer.compressor
-            specs += [StateSpec("index_entries", [S, max_len // self.rate, index.width], dtype, self.rate),
+            specs += [StateSpec("index_entries", [S, max_len // per_entry, index.width], dtype, per_entry),
                       StateSpec("index_buffer", [S, index.ring_size() + self.spare, 2 * index.wkv.out_features], dtype)]
         return specs
 
     def forward(self, x, cos, sin, start, end, seq_slots, window, *compressed_state):
-        """x [N*T, D] -> [N*T, D]."""
+        """x [N*T, D] -> [N*T, D]. Under context parallelism a prefill chunk's x holds this rank's
+        rows only, [T / cp, D], and so does the result, while cos/sin are the whole chunk's: the
+        rows' projections are gathered, the attention runs for every row and each rank keeps its own."""
         N, H, Dh = seq_slots.shape[0], self.n_heads, self.head_dim
-        T = x.shape[0] // N
+        split = x.shape[0] != cos.shape[0]
         q_residual = self.q_norm(self.wq_a(x))
-        q = unweighted_rms_norm(self.wq_b(q_residual).view(N * T, H, Dh), self.eps)
+        rows = [self.wq_b(q_residual), self.wkv(x)]
+        if self.rate:
+            rows.append(self.compressor.project(x))
+        if hasattr(self, "indexer"):
+            rows += self.indexer.project(x, q_residual)
+        if split:
+            rows = context_parallel.gather_rows(rows, self.cp)
+        q, kv, *compressor_rows = rows
+        T = q.shape[0] // N
+        q = unweighted_rms_norm(q.view(N * T, H, Dh), self.eps)
         q = apply_rope(q, cos[:, None], sin[:, None]).view(N, T, H, Dh)
-        kv = apply_rope(self.norm(self.wkv(x)), cos, sin).view(N, T, Dh)
+        kv = apply_rope(self.norm(kv), cos, sin).view(N, T, Dh)
 
         # Sliding keys: the ring as it was before this step, then this step's tokens.
         p = start[:, None] + torch.arange(T, device=x.device)  # [N, T] query positions
@@ -245,30 +287,56 @@ class Attention(nn.Module):
         keys = torch.cat([ring, kv], dim=1)
         visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= p[..., None]) & (key_pos[:, None, :] > p[..., None] - self.window)
         update_ring(window, ring, kv, start, end, seq_slots)
+        # Entries striped over a cp group: each rank attends over its own, the partials merge by
+        # log-sum-exp, and the window (with the chunk) and the sink count on the group's first rank.
+        striped = self.cp > 1 and self.rate > 0
+        if striped:
+            visible = visible & (self.cp_rank == 0)
 
         if self.rate:
-            entry_keys = self.compressor(x, start, end, seq_slots, *compressed_state[:2])  # [N, E, Dh]
-            closed = torch.arange(entry_keys.shape[1], device=x.device) < ((p + 1) // self.rate)[..., None]  # [N, T, E]
+            entry_keys = self.compressor(compressor_rows[0], start, end, seq_slots, *compressed_state[:2])  # [N, E (/ cp), Dh]
+            entry_ids = self.compressor.entry_ids(entry_keys.shape[1], x.device)
+            closed = entry_ids < ((p + 1) // self.rate)[..., None]  # [N, T, E (/ cp)]
             if hasattr(self, "indexer"):
-                chosen, seen = self.indexer(x, q_residual, cos, sin, start, end, seq_slots, closed, *compressed_state[2:])
-                if T == 1:  # decode: read only the k chosen entries, whatever max_len is
-                    entry_keys = entry_keys.gather(1, chosen[:, 0, :, None].expand(-1, -1, Dh))  # [N, k, Dh]
-                    closed = seen
-                else:  # prefill: every entry, each query masked to its own choice
-                    closed = torch.zeros_like(closed).scatter(-1, chosen, True) & closed
+                chosen, seen = self.indexer(*compressor_rows[1:], cos, sin, start, end, seq_slots, closed, *compressed_state[2:])
+                entry_keys, closed = self.chosen_entries(entry_keys, entry_ids, closed, chosen, seen)
             keys = torch.cat([keys, entry_keys], dim=1)  # [N, W + T + E (or k), Dh]
             visible = torch.cat([visible, closed], dim=2)
 
         scores = torch.einsum("nthd,nkd->nthk", q, keys) * Dh**-0.5
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
         sinks = self.attn_sink.to(scores.dtype).view(1, 1, H, 1).expand(N, T, H, 1)
-        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)  # the sink absorbs mass
-        out = torch.einsum("nthk,nkd->nthd", probs, keys).reshape(N * T, H, Dh)
+        if striped:
+            sinks = sinks.masked_fill(self.cp_rank != 0, float("-inf"))
+            probs, lse = context_parallel.partial_softmax(torch.cat([scores, sinks], dim=-1))
+            out = torch.einsum("nthk,nkd->nthd", probs[..., :-1].to(keys.dtype), keys)
+            out = context_parallel.merge(out, lse, self.cp).reshape(N * T, H, Dh)
+        else:
+            probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)  # the sink absorbs mass
+            out = torch.einsum("nthk,nkd->nthd", probs, keys).reshape(N * T, H, Dh)
         out = apply_rope(out, cos[:, None], -sin[:, None])  # V carried the keys' rotation: undo it at the query
-        grouped = out.view(N * T, self.groups, -1)  # [R, g, H Dh / g]
+        if split:
+            out = context_parallel.own_rows(out, self.cp_rank, self.cp)
+        grouped = out.view(out.shape[0], self.groups, -1)  # [R, g, H Dh / g]
         w = linear_weight(self.wo_a, grouped.dtype).view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H Dh / g]
         out = self.wo_b(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
+
+    def chosen_entries(self, entry_keys, entry_ids, closed, chosen, seen):
+        """The indexer's choice (entry ids [N, T, k], `seen` where visible) -> the entry keys and
+        their mask: at decode (T = 1) only the k chosen entries are read, whatever max_len is; a
+        chunk reads every entry, each query masked to its own choice. Under context parallelism
+        the ids are the group's and this rank reads those it holds."""
+        N, T, E = closed.shape
+        if T == 1:
+            at, mine = chosen, seen
+            if self.cp > 1:
+                at, mine = (chosen // self.cp).clamp(max=E - 1), seen & (chosen % self.cp == self.cp_rank)
+            return entry_keys.gather(1, at[:, 0, :, None].expand(-1, -1, self.head_dim)), mine  # [N, k, Dh]
+        if self.cp == 1:
+            return entry_keys, torch.zeros_like(closed).scatter(-1, chosen, True) & closed
+        wanted = closed.new_zeros(N, T, E * self.cp).scatter(-1, chosen, seen)  # over the group's entries
+        return entry_keys, wanted.index_select(-1, entry_ids) & closed
 
 
 def hyper_connection(h, fn, base, scale, iters: int, eps: float, norm_eps: float):
@@ -419,7 +487,7 @@ class DecoderLayer(nn.Module):
             setattr(self, f"hc_{block}_base", nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32)))
             setattr(self, f"hc_{block}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
         self.attn_norm = RMSNorm(D, c.rms_norm_eps)
-        self.attn = Attention(c, attention_type, layout.tp)
+        self.attn = Attention(c, attention_type, layout)
         self.ffn_norm = RMSNorm(D, c.rms_norm_eps)
         self.ffn = MoE(c, mlp_type == "hash_moe", layout)
 
@@ -430,7 +498,13 @@ class DecoderLayer(nn.Module):
         a = self.attn(self.attn_norm(x), cos, sin, start, end, seq_slots, *state)
         h = post.to(h.dtype)[..., None] * a[:, None, :] + torch.matmul(comb.to(h.dtype).mT, h)
         post, comb, x = hyper_connection(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.iters, self.hc_eps, self.eps)
-        return torch.matmul(comb.to(h.dtype).mT, h), post, self.ffn(self.ffn_norm(x), tokens)
+        h, x = torch.matmul(comb.to(h.dtype).mT, h), self.ffn_norm(x)
+        if h.shape[0] != tokens.shape[0]:
+            # A prefill chunk under context parallelism: every rank computes its experts for the
+            # whole chunk, whose rows the cp group holds a block each (as DeepSeek-V3's layer).
+            cp, cp_rank = self.attn.cp, self.attn.cp_rank
+            return h, post, context_parallel.own_rows(self.ffn(context_parallel.gather(x, cp), tokens), cp_rank, cp)
+        return h, post, self.ffn(x, tokens)
 
 
 class LMHead(nn.Module):
@@ -559,7 +633,7 @@ class MTPPrefill(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    CONTEXT_PARALLEL = False  # not yet: its windows, compressors and indexer under parallel.cp
+    CONTEXT_PARALLEL = True  # parallel.cp stripes the compressed entries over a group (models/context_parallel.py)
     STATE_FREE_FROM = "layers.*.ffn_norm"  # as DeepseekV3's: the MoE after it reads no state
 
     def __init__(self, config: DeepseekV4Config, layout: Layout = Layout()):
@@ -574,6 +648,9 @@ class DeepseekV4(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(config, self.embed, self.head, layout)] if config.draft_tokens else [])
         self.mtp_prefill = nn.ModuleList(MTPPrefill(layer) for layer in self.mtp)
         self.scorer = PromptScorer()
+        if layout.cp > 1:  # a prefill chunk's rows, split over the cp group and gathered before the head
+            self.split_rows = context_parallel.SplitRows(layout)
+            self.gather_rows = context_parallel.GatherRows(layout.cp)
         self.tie_weights()
 
     @staticmethod
@@ -610,8 +687,12 @@ class DeepseekV4(nn.Module):
     def _prefill(self, tokens, positions, slots, read_slot, last_index, state, *head_row):
         """-> logits [T, V], or [1, V] at `head_row` when given."""
         h, post, pending, *rope, start, end = self.embed(tokens, positions, slots, last_index)  # (positional: traced)
+        if self.layout.cp > 1:  # (the rope tables stay whole: attention runs for every row of the chunk)
+            h, post, pending = self.split_rows(h, post, pending)
         for layer, layer_state in zip(self.layers, state):
             h, post, pending = layer(h, post, pending, *rope, tokens, start, end, read_slot, *layer_state)
+        if self.layout.cp > 1:
+            h, post, pending = self.gather_rows(h, post, pending)
         if not self.mtp:
             return self.head(h, post, pending, *head_row)
         mtp_state = state[len(self.layers)]

@@ -71,15 +71,18 @@ class DeepseekV4Config:
         """Positions pooled into one compressed entry (0: the layer keeps none)."""
         return {SLIDING: 0, CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}[attention_type]
 
-    def max_len_problem(self, max_len: int) -> str | None:
+    def max_len_problem(self, max_len: int, cp: int = 1) -> str | None:
         """Why kv.max_len cannot size this model's state, or None: the compressed entries are
-        max_len / rate per layer, so it must be a multiple of every compress rate in use."""
+        max_len / rate per layer (striped over a context-parallel group of cp ranks), so it must be
+        a multiple of every compress rate in use, times cp."""
         rates = sorted({self.compress_rate(t) for t in self.layer_types} - {0})
-        bad = [r for r in rates if max_len % r]
+        bad = [r for r in rates if max_len % (r * cp)]
         if bad:
-            step = math.lcm(*rates)
-            return (f"{max_len} must be a multiple of every compress rate the layers use ({rates}): the compressed state "
-                    f"holds max_len / rate entries. Use a multiple of {step}, e.g. {max(step, max_len // step * step)}.")
+            step = math.lcm(*rates) * cp
+            times = f" times parallel.cp={cp}" if cp > 1 else ""
+            return (f"{max_len} must be a multiple of every compress rate the layers use ({rates}){times}: the compressed "
+                    f"state holds max_len / rate entries{' over the cp group' if cp > 1 else ''}. Use a multiple of {step}, "
+                    f"e.g. {max(step, max_len // step * step)}.")
         return None
 
     def tp_sharded_sizes(self) -> dict[str, int]:

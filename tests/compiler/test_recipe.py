@@ -106,7 +106,12 @@ V4 = TINY_RECIPE.parent / "tiny-v4.yaml"
         ({"model": {"compress_rate": 4}}, r"unknown field\(s\) \['compress_rate'\]"),
         ({"methods": {"decode": {"buckets": [1], "context": [32, 40]}, "prefill": {"buckets": [16]}}},
          r"methods.decode.context: context bucket 40 must be a multiple of every compress rate"),
-        ({"parallel": {"world_size": 2, "ep": 2, "cp": 2}}, r"parallel.cp: model.arch deepseek_v4 does not split its state"),
+        ({"parallel": {"world_size": 2, "ep": 2, "cp": 2}, "kv": {"max_seqs": 4, "max_len": 240}},
+         r"kv.max_len: 240 must be a multiple of every compress rate the layers use \(\[4, 16\]\) times parallel.cp=2.*"
+         r"multiple of 32, e.g. 224"),
+        ({"parallel": {"world_size": 2, "ep": 2, "cp": 2},
+          "methods": {"decode": {"buckets": [1], "context": [48, 64]}, "prefill": {"buckets": [16]}}},
+         r"methods.decode.context: context bucket 48 must be a multiple .* times parallel.cp=2"),
     ],
 )
 def test_deepseek_v4_constraints_name_the_key(tmp_path, changes, message):

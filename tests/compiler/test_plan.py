@@ -155,21 +155,29 @@ def test_a_boundary_that_matches_no_node_is_refused(tmp_path):
         plan(recipe)
 
 
-def test_context_parallel_ranks_compute_only_their_rows(tmp_path):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_context_parallel_ranks_compute_only_their_rows(tmp_path, arch):
     """cp 2: a prefill chunk of 16 rows enters every layer as the rank's own 8 (its projections,
     attention queries, MLP); 16-row activations are only what a collective brought (the chunk's
     queries and keys and the attention partials gathered over the cp group, the MoE's input
-    gathered and its output all-reduced: its experts are split over every rank). Decode rows are every rank's; a rank's cache holds every 2nd position."""
-    the_plan = plan(load_recipe(write_recipe(tmp_path, "cp2", parallel={"world_size": 2, "tp": 1, "ep": 2, "cp": 2})))
+    gathered and its output all-reduced: its experts are split over every rank). Decode rows are
+    every rank's; a rank's cache holds every 2nd position (V4: every 2nd compressed entry)."""
+    v4 = {"model": {"arch": arch, "config": tiny_v4_config()}} if arch == "deepseek_v4" else {}
+    the_plan = plan(load_recipe(write_recipe(tmp_path, "cp2", parallel={"world_size": 2, "tp": 1, "ep": 2, "cp": 2},
+                                             methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}}, **v4)))
     D, T = 64, 16
-    assert [t.shape for t in the_plan.state[0]] == [[5, 128, 40]]  # 256 positions / 2; latent 32 + rope 8
+    if v4:  # [sliding window], [window, entries, buffer, index entries, index buffer] (CSA: rate 4), ...
+        assert [t.shape for t in the_plan.state[1]] == [[5, 16, 32], [5, 256 // 4 // 2, 32], [5, 8, 128],
+                                                        [5, 256 // 4 // 2, 16], [5, 8, 64]]
+    else:
+        assert [t.shape for t in the_plan.state[0]] == [[5, 128, 40]]  # 256 positions / 2; latent 32 + rope 8
     gathered = {name for s in the_plan.programs[f"prefill/{T}"].steps if s.collective for name in s.outputs}
     rows = {"own": set(), "gathered": set()}
     for step in the_plan.programs[f"prefill/{T}"].steps:
         if step.collective or not the_plan.region_paths[step.region].startswith("layers"):
             continue
         for name, spec in zip(step.inputs, the_plan.signatures[step.region].inputs):
-            if is_activation(name) and spec.shape[-1] == D and len(spec.shape) == 2:  # [rows, D]
+            if is_activation(name) and spec.shape[-1] == D:  # [rows, D], V4's streams [rows, n, D]
                 rows["gathered" if name in gathered else "own"].add(spec.shape[0])
     assert rows == {"own": {T // 2}, "gathered": {T}}
     decode_rows = {spec.shape[0] for s in the_plan.programs["decode/4"].steps if not s.collective

@@ -129,15 +129,15 @@ def test_rejection_sampling_keeps_the_models_distribution():
 @pytest.fixture(scope="module")
 def spec_bundles(tmp_path_factory, cache_dir):
     """The tiny models with their MTP modules, compiled with k draft tokens (export): V3 with context
-    buckets on the decode side, and at world size 2 context-parallel (cp 2); V4 at world size 2
-    (tp 2) with context buckets."""
+    buckets on the decode side, and at world size 2 context-parallel (cp 2); V4 at world size 4
+    (tp 2 x cp 2) with context buckets."""
     work = tmp_path_factory.mktemp("speculative")
     contexts = {"methods": {"decode": {"buckets": [1, 4], "context": [64]}, "prefill": {"buckets": [16, 64]}}}
-    ws2 = {"parallel": {"world_size": 2, "tp": 2, "ep": 2}}
+    ws4 = {"parallel": {"world_size": 4, "tp": 2, "ep": 2, "cp": 2}}
     cp2 = {"parallel": {"world_size": 2, "tp": 1, "ep": 2, "cp": 2}}
     out = {}
     for name, arch, k, changes in (("k3-contexts", "deepseek_v3", 3, contexts), ("k3-cp2-contexts", "deepseek_v3", 3, {**contexts, **cp2}),
-                                   ("v4-k3-ws2-contexts", "deepseek_v4", 3, {**contexts, **ws2})):
+                                   ("v4-k3-ws4-cp2-contexts", "deepseek_v4", 3, {**contexts, **ws4})):
         model = {"arch": arch, "config": CONFIGS[arch], "expert_overflow": "always"}
         recipe = write_recipe(work, name, model=model, backend={"name": "export"}, **changes,
                               speculative={"method": "mtp", "num_tokens": k})
@@ -169,10 +169,11 @@ def test_an_aotinductor_bundle_speculates_losslessly(tmp_path_factory, cache_dir
     assert greedy(engine) == reference and engine.drafted[0] > 0
 
 
-@pytest.mark.parametrize("bundle, arch", [("k3-cp2-contexts", "deepseek_v3"), ("v4-k3-ws2-contexts", "deepseek_v4")])
-def test_speculation_at_world_size_2(spec_bundles, bundle, arch):
-    """V3 over a context-parallel group of 2 (its cache striped, prompt chunks split); V4 over 2
-    ranks (tp 2: query heads, shared expert and LM head split; ep 2). Decode under
+@pytest.mark.parametrize("bundle, arch", [("k3-cp2-contexts", "deepseek_v3"), ("v4-k3-ws4-cp2-contexts", "deepseek_v4")])
+def test_speculation_over_ranks(spec_bundles, bundle, arch):
+    """V3 over a context-parallel group of 2 (its cache striped, prompt chunks split); V4 over 4
+    ranks, tp 2 (query heads, shared expert and LM head split; ep 2) x cp 2 (compressed entries
+    striped by entry, the indexer's top-k merged over the group, prompt chunks split). Decode under
     context buckets 64 and 256 (V4: the compressed entries the indexer scores and HCA attends are
     read up to the context), the leader telling the follower which context each step runs, and a
     prefix copied from a running sequence on both ranks."""
@@ -186,7 +187,8 @@ def test_speculation_at_world_size_2(spec_bundles, bundle, arch):
     ratios = {t["name"]: t["positions_per_entry"] for layer in manifest["state"] for t in layer}
     assert {key.split("/")[-1] for key in manifest["programs"] if key.startswith("decode/")} == {"64", "256"}
     if arch == "deepseek_v4":
-        assert ratios["window"] is None and ratios["buffer"] is None and ratios["index_entries"] == 4 and ratios["entries"] in (4, 16)
+        assert ratios["window"] is None and ratios["buffer"] is None and ratios["index_entries"] == 4 * 2
+        assert ratios["entries"] in (4 * 2, 16 * 2) and ratios["hidden"] == 1
     else:  # a rank keeps every 2nd position; the MTP module's hidden states stay whole
         assert ratios == {"latent": 2, "hidden": 1}
     # Prefix caching on both ranks: a prompt's second sequence copies the first one's state (V4:

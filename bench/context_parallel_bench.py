@@ -5,12 +5,13 @@ backend and ranks, runs alternated and each rank on one thread:
 - TTFT of a 2048-token prompt (4 chunks of 512): cp 2 / cp 1;
 - decode at a 16K context: state bytes a rank (from the manifests) and TPOT, cp 2 / cp 1.
 
-    .venv/bin/python bench/context_parallel_bench.py                 # one round: ~8 minutes here
-    .venv/bin/python bench/context_parallel_bench.py --rounds 3
+    .venv/bin/python bench/context_parallel_bench.py                 # DeepSeek-V3, one round: ~8 minutes here
+    .venv/bin/python bench/context_parallel_bench.py --arch deepseek_v4 --rounds 3
 
-The model is a random DeepSeek-V3 small enough for 2 cores and wide enough in attention that a
-long prompt is mostly attention, as at full size (its MoE experts are split over both ranks in
-either layout). DeepSeek-V4 is not context-parallel yet (its recipe is refused with cp: 2).
+The models are random, small enough for 2 cores and wide enough in attention that a long prompt
+is mostly attention, as at full size (their MoE experts are split over both ranks in either
+layout): a DeepSeek-V3, and a DeepSeek-V4 with V4's own compress rates (4 and 128), window (128),
+index heads and mHC streams (4).
 """
 
 import argparse
@@ -28,16 +29,25 @@ import yaml
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import load_recipe
 
-CONFIG = {"vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
+CONFIGS = {}
+CONFIGS["deepseek_v3"] = {"vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
           "num_hidden_layers": 4, "num_attention_heads": 8, "n_shared_experts": 1, "n_routed_experts": 8,
           "kv_lora_rank": 256, "q_lora_rank": 256, "qk_rope_head_dim": 32, "v_head_dim": 64, "qk_nope_head_dim": 64,
           "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
           "max_position_embeddings": 16384}
+CONFIGS["deepseek_v4"] = {"vocab_size": 1024, "hidden_size": 512, "moe_intermediate_size": 256, "num_hidden_layers": 4,
+          "num_attention_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.25, "q_lora_rank": 256,
+          "n_routed_experts": 8, "num_experts_per_tok": 2,
+          "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                          "compressed_sparse_attention"], "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+          "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, "sliding_window": 128,
+          "o_groups": 4, "o_lora_rank": 128, "index_n_heads": 8, "index_head_dim": 64, "index_topk": 128, "hc_mult": 4,
+          "max_position_embeddings": 16384}
 PROMPT, CONTEXT = 2048, 16384 - 32  # the decode prompt leaves room for its tokens
 
 
-def write_recipe(work: Path, cp: int) -> Path:
-    recipe = {"name": f"cp{cp}", "model": {"arch": "deepseek_v3", "config": CONFIG, "seed": 0}, "dtype": "float32",
+def write_recipe(work: Path, arch: str, cp: int) -> Path:
+    recipe = {"name": f"cp{cp}", "model": {"arch": arch, "config": CONFIGS[arch], "seed": 0}, "dtype": "float32",
               "parallel": {"world_size": 2, "tp": 1, "ep": 2, "cp": cp},
               "methods": {"decode": {"buckets": [1], "context": [2048, 4096, 8192, 16384]}, "prefill": {"buckets": [512], "context": [2048, 4096, 8192, 16384]}},
               "kv": {"max_seqs": 1, "max_len": 16384}, "backend": {"name": "export"}, "output": str(work / f"cp{cp}")}
@@ -67,10 +77,11 @@ def timing(bundle: Path, prompt_tokens: int, max_tokens: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1, help="alternated runs of each layout (medians reported)")
+    parser.add_argument("--arch", choices=sorted(CONFIGS), default="deepseek_v3")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="deepinfer-cp-bench-") as tmp:
         work = Path(tmp)
-        bundles = {cp: compile_recipe(load_recipe(write_recipe(work, cp)), cache_dir=work / "cache", progress=False).bundle
+        bundles = {cp: compile_recipe(load_recipe(write_recipe(work, args.arch, cp)), cache_dir=work / "cache", progress=False).bundle
                    for cp in (1, 2)}
         ttft, tpot, tokens = {1: [], 2: []}, {1: [], 2: []}, {1: set(), 2: set()}
         for _ in range(args.rounds):
@@ -82,7 +93,10 @@ def main():
                 tokens[cp].add((tuple(short["tokens"]), tuple(long["tokens"])))
         state = {cp: state_bytes_per_rank(bundles[cp]) for cp in (1, 2)}
     median = {name: {cp: statistics.median(v[cp]) for cp in (1, 2)} for name, v in (("ttft", ttft), ("tpot", tpot))}
-    print(f"\nDeepSeek-V3 (random, hidden 512, 8 heads, kv_lora 256, 4 layers), float32, export backend, world size 2 "
+    model = {"deepseek_v3": "DeepSeek-V3 (random, hidden 512, 8 heads, kv_lora 256, 4 layers)",
+             "deepseek_v4": "DeepSeek-V4 (random, hidden 512, 8 heads of 128, sliding + CSA 4 + HCA 128 + CSA, window 128, "
+                            "top-128 of 8 index heads, 4 mHC streams)"}[args.arch]
+    print(f"\n{model}, float32, export backend, world size 2 "
           f"(tp 1, ep 2), each rank 1 thread, {args.rounds} alternated rounds, medians; {os.cpu_count()} cores")
     print(f"  {'':34s} {'cp 1':>10s} {'cp 2':>10s} {'cp 2 / cp 1':>12s}")
     print(f"  {f'TTFT, {PROMPT}-token prompt (s)':34s} {median['ttft'][1]:10.3f} {median['ttft'][2]:10.3f} "

@@ -100,12 +100,22 @@ def partial_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def merge(out: torch.Tensor, lse: torch.Tensor, cp: int) -> torch.Tensor:
     """Every rank's partial out [T, ..., C] with its lse [T, ...] -> the attention over all
     shards [T, ..., C] (one all-gather over the group)."""
+    return merge_partials(*gather_partials(out, lse, cp)).to(out.dtype)
+
+
+def gather_partials(out: torch.Tensor, lse: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's partial out [T, ..., C] and lse [T, ...] -> float32 [cp, T, ..., C], [cp, T, ...]."""
     C = out.shape[-1]
     packed = torch.cat([out.float(), lse[..., None]], dim=-1)  # [T, ..., C + 1]
-    parts = gather(packed, cp).view(cp, *packed.shape)  # [cp, T, ..., C + 1]
-    outs, lses = parts.split([C, 1], dim=-1)
-    weights = (lses - lses.amax(dim=0, keepdim=True)).exp()  # [cp, T, ..., 1]
-    return ((outs * weights).sum(dim=0) / weights.sum(dim=0)).to(out.dtype)
+    outs, lses = gather(packed, cp).view(cp, *packed.shape).split([C, 1], dim=-1)
+    return outs, lses.squeeze(-1)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Partials over disjoint keys, outs [P, ..., C] with lses [P, ...] -> the attention over all
+    of them [..., C] float32."""
+    weights = (lses - lses.amax(dim=0, keepdim=True)).exp()[..., None]  # [P, ..., 1]
+    return (outs * weights).sum(dim=0) / weights.sum(dim=0)
 
 
 class SplitRows(nn.Module):

@@ -280,18 +280,22 @@ class Attention(nn.Module):
         q = apply_rope(q, cos[:, None], sin[:, None]).view(N, T, H, Dh)
         kv = apply_rope(self.norm(kv), cos, sin).view(N, T, Dh)
 
-        # Sliding keys: the ring as it was before this step, then this step's tokens.
+        # Sliding keys: the ring as it was before this step, then this step's tokens. Under a split
+        # chunk this rank's block of rows attends them, over the chunk rows its window reaches.
         p = start[:, None] + torch.arange(T, device=x.device)  # [N, T] query positions
         ring = window.index_select(0, seq_slots)  # [N, W, Dh]
-        key_pos = torch.cat([ring_positions(start - 1, ring.shape[1]), p], dim=1)  # [N, W (+ spare) + T]
-        keys = torch.cat([ring, kv], dim=1)
-        visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= p[..., None]) & (key_pos[:, None, :] > p[..., None] - self.window)
+        q_rows, p_rows, rope_rows, chunk_keys, chunk_pos, block = q, p, (cos, sin), kv, p, None
+        if split:
+            block = self.cp_rank * (T // self.cp) + torch.arange(T // self.cp, device=x.device)
+            q_rows, p_rows = q.index_select(1, block), p.index_select(1, block)
+            rope_rows = cos.index_select(0, block), sin.index_select(0, block)
+            reach = block[0] - self.window + torch.arange(self.window + block.shape[0], device=x.device)  # (< 0: none)
+            chunk_keys = kv.index_select(1, reach.clamp(min=0))
+            chunk_pos = torch.where(reach >= 0, start[:, None] + reach, -1)
+        key_pos = torch.cat([ring_positions(start - 1, ring.shape[1]), chunk_pos], dim=1)  # [N, W (+ spare) + T]
+        keys = torch.cat([ring, chunk_keys], dim=1)
+        visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= p_rows[..., None]) & (key_pos[:, None, :] > p_rows[..., None] - self.window)
         update_ring(window, ring, kv, start, end, seq_slots)
-        # Entries striped over a cp group: each rank attends over its own, the partials merge by
-        # log-sum-exp, and the window (with the chunk) and the sink count on the group's first rank.
-        striped = self.cp > 1 and self.rate > 0
-        if striped:
-            visible = visible & (self.cp_rank == 0)
 
         if self.rate:
             entry_keys = self.compressor(compressor_rows[0], start, end, seq_slots, *compressed_state[:2])  # [N, E (/ cp), Dh]
@@ -300,27 +304,40 @@ class Attention(nn.Module):
             if hasattr(self, "indexer"):
                 chosen, seen = self.indexer(*compressor_rows[1:], cos, sin, start, end, seq_slots, closed, *compressed_state[2:])
                 entry_keys, closed = self.chosen_entries(entry_keys, entry_ids, closed, chosen, seen)
-            keys = torch.cat([keys, entry_keys], dim=1)  # [N, W + T + E (or k), Dh]
-            visible = torch.cat([visible, closed], dim=2)
+            if self.cp == 1:  # one softmax over the window and the entries
+                keys = torch.cat([keys, entry_keys], dim=1)  # [N, W + T + E (or k), Dh]
+                visible = torch.cat([visible, closed], dim=2)
 
-        scores = torch.einsum("nthd,nkd->nthk", q, keys) * Dh**-0.5
+        scores = torch.einsum("nthd,nkd->nthk", q_rows, keys) * Dh**-0.5
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-        sinks = self.attn_sink.to(scores.dtype).view(1, 1, H, 1).expand(N, T, H, 1)
-        if striped:
-            sinks = sinks.masked_fill(self.cp_rank != 0, float("-inf"))
-            probs, lse = context_parallel.partial_softmax(torch.cat([scores, sinks], dim=-1))
-            out = torch.einsum("nthk,nkd->nthd", probs[..., :-1].to(keys.dtype), keys)
-            out = context_parallel.merge(out, lse, self.cp).reshape(N * T, H, Dh)
+        sinks = self.attn_sink.to(scores.dtype).view(1, 1, H, 1).expand(*scores.shape[:3], 1)
+        if self.cp > 1 and self.rate:  # entries striped over the group (models/context_parallel.py)
+            out = self.striped(q, scores, sinks, keys, entry_keys, closed, block)
         else:
             probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)  # the sink absorbs mass
-            out = torch.einsum("nthk,nkd->nthd", probs, keys).reshape(N * T, H, Dh)
-        out = apply_rope(out, cos[:, None], -sin[:, None])  # V carried the keys' rotation: undo it at the query
-        if split:
-            out = context_parallel.own_rows(out, self.cp_rank, self.cp)
+            out = torch.einsum("nthk,nkd->nthd", probs, keys)
+        out = out.reshape(-1, H, Dh)
+        out = apply_rope(out, rope_rows[0][:, None], -rope_rows[1][:, None])  # V carried the keys' rotation: undo it at the query
         grouped = out.view(out.shape[0], self.groups, -1)  # [R, g, H Dh / g]
         w = linear_weight(self.wo_a, grouped.dtype).view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H Dh / g]
         out = self.wo_b(torch.einsum("rgi,goi->rgo", grouped, w).flatten(1))
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
+
+    def striped(self, q, scores, sinks, keys, entry_keys, closed, block):
+        """Attention whose compressed entries are striped over the cp group: this rank's partial
+        over the window (and the sink), for its rows (`block` under a split chunk, else None: every
+        row), merged by log-sum-exp with every rank's partial over its entries (for every row:
+        gathered) -> [N, rows, H, Dh]."""
+        window_probs, window_lse = context_parallel.partial_softmax(torch.cat([scores, sinks], dim=-1))
+        window_out = torch.einsum("nthk,nkd->nthd", window_probs[..., :-1].to(keys.dtype), keys)
+        entry_scores = torch.einsum("nthd,nkd->nthk", q, entry_keys) * self.head_dim**-0.5
+        entry_probs, entry_lse = context_parallel.partial_softmax(entry_scores.masked_fill(~closed[:, :, None, :], float("-inf")))
+        entry_out = torch.einsum("nthk,nkd->nthd", entry_probs.to(entry_keys.dtype), entry_keys)
+        outs, lses = context_parallel.gather_partials(entry_out, entry_lse, self.cp)  # [cp, N, T, H, Dh], [cp, N, T, H]
+        if block is not None:
+            outs, lses = outs.index_select(2, block), lses.index_select(2, block)
+        outs, lses = torch.cat([outs, window_out[None].float()]), torch.cat([lses, window_lse[None]])
+        return context_parallel.merge_partials(outs, lses).to(q.dtype)
 
     def chosen_entries(self, entry_keys, entry_ids, closed, chosen, seen):
         """The indexer's choice (entry ids [N, T, k], `seen` where visible) -> the entry keys and

@@ -36,12 +36,12 @@ CONFIGS["deepseek_v3"] = {"vocab_size": 1024, "hidden_size": 512, "intermediate_
           "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
           "max_position_embeddings": 16384}
 CONFIGS["deepseek_v4"] = {"vocab_size": 1024, "hidden_size": 512, "moe_intermediate_size": 256, "num_hidden_layers": 4,
-          "num_attention_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.25, "q_lora_rank": 256,
+          "num_attention_heads": 16, "head_dim": 256, "partial_rotary_factor": 0.125, "q_lora_rank": 256,
           "n_routed_experts": 8, "num_experts_per_tok": 2,
           "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                           "compressed_sparse_attention"], "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
           "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, "sliding_window": 128,
-          "o_groups": 4, "o_lora_rank": 128, "index_n_heads": 8, "index_head_dim": 64, "index_topk": 128, "hc_mult": 4,
+          "o_groups": 8, "o_lora_rank": 128, "index_n_heads": 8, "index_head_dim": 64, "index_topk": 128, "hc_mult": 4,
           "max_position_embeddings": 16384}
 PROMPT, CONTEXT = 2048, 16384 - 32  # the decode prompt leaves room for its tokens
 
@@ -94,7 +94,7 @@ def main():
         state = {cp: state_bytes_per_rank(bundles[cp]) for cp in (1, 2)}
     median = {name: {cp: statistics.median(v[cp]) for cp in (1, 2)} for name, v in (("ttft", ttft), ("tpot", tpot))}
     model = {"deepseek_v3": "DeepSeek-V3 (random, hidden 512, 8 heads, kv_lora 256, 4 layers)",
-             "deepseek_v4": "DeepSeek-V4 (random, hidden 512, 8 heads of 128, sliding + CSA 4 + HCA 128 + CSA, window 128, "
+             "deepseek_v4": "DeepSeek-V4 (random, hidden 512, 16 heads of 256, sliding + CSA 4 + HCA 128 + CSA, window 128, "
                             "top-128 of 8 index heads, 4 mHC streams)"}[args.arch]
     print(f"\n{model}, float32, export backend, world size 2 "
           f"(tp 1, ep 2), each rank 1 thread, {args.rounds} alternated rounds, medians; {os.cpu_count()} cores")

@@ -87,8 +87,9 @@ def fit_problem(recipe: Recipe, rank: RankFootprint, budget: float) -> str | Non
 def format_report(plan_report: dict) -> str:
     r = plan_report
     p = r["parallel"]
+    cp = f", cp {p['cp']}" if p.get("cp", 1) > 1 else ""
     lines = [f"plan for {r['recipe']}: {r['arch']}, {r['dtype']}, backend {r['backend']}, world_size {p['world_size']} "
-             f"(tp {p['tp']}, ep {p['ep']}), kv.max_seqs {r['kv']['max_seqs']} x kv.max_len {r['kv']['max_len']}; "
+             f"(tp {p['tp']}, ep {p['ep']}{cp}), kv.max_seqs {r['kv']['max_seqs']} x kv.max_len {r['kv']['max_len']}; "
              "nothing compiled",
              *([f"compute: {r['compute']}"] if r["compute"] else []),
              f"{len(r['programs'])} programs, {r['region_calls']} region calls, {r['unique_regions']} unique regions",

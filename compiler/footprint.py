@@ -54,7 +54,7 @@ def report(recipe: Recipe) -> dict:
     return {
         "recipe": recipe.name, "arch": recipe.model["arch"], "dtype": recipe.dtype, "backend": recipe.backend,
         "compute": compute_note(recipe, the_plan),
-        "parallel": {"world_size": p["world_size"], "tp": p["tp"], "ep": p["ep"]},
+        "parallel": {"world_size": p["world_size"], "tp": p["tp"], "ep": p["ep"], "cp": p["cp"]},
         "kv": dict(recipe.kv), "programs": programs, "unique_regions": len(the_plan.signatures),
         "region_calls": sum(row["region_calls"] for row in programs),
         "ranks": [{"rank": r, **asdict(rank), "total_bytes": rank.total_bytes} for r in range(p["world_size"])],
@@ -87,7 +87,7 @@ def fit_problem(recipe: Recipe, rank: RankFootprint, budget: float) -> str | Non
 def format_report(plan_report: dict) -> str:
     r = plan_report
     p = r["parallel"]
-    cp = f", cp {p['cp']}" if p.get("cp", 1) > 1 else ""
+    cp = f", cp {p['cp']}" if p["cp"] > 1 else ""
     lines = [f"plan for {r['recipe']}: {r['arch']}, {r['dtype']}, backend {r['backend']}, world_size {p['world_size']} "
              f"(tp {p['tp']}, ep {p['ep']}{cp}), kv.max_seqs {r['kv']['max_seqs']} x kv.max_len {r['kv']['max_len']}; "
              "nothing compiled",

@@ -19,10 +19,11 @@ the group, as its experts are split over every rank, and the chunk's hidden stat
 once, before the head. This is the design of SGLang's DCP for MLA (positions striped over the
 group, partials merged by LSE) with vLLM's prefill CP (rows split, the chunk's keys gathered).
 
-DeepSeek-V4 stripes its compressed entries the same way, by entry (one entry pools `rate`
-positions): a shard holds L / (rate cp) entries. Its fixed-size state (sliding-window rings,
-the compressors' rings) stays whole on every rank, so the window and the attention sink are
-counted on the group's first rank only; the indexer's top-k is merged from every rank's (top_k).
+DeepSeek-V4 stripes its CSA entries (and its indexer's) the same way, by entry (one entry pools
+`rate` positions): a shard holds L / (rate cp) entries. The rest (HCA's few entries, the
+sliding-window rings, the compressors' rings) stays whole on every rank: each rank attends the
+window and the sink itself and merges that partial with the group's partials over the striped
+entries; the indexer's top-k is merged from every rank's (top_k).
 """
 
 import torch

@@ -35,6 +35,7 @@ entries at every step. CSA attention itself reads only the k chosen entries at d
 a prefill chunk attends all entries under a per-query mask (T x k gathered rows would cost more).
 """
 
+import dataclasses
 import math
 from functools import partial
 
@@ -219,9 +220,12 @@ class Attention(nn.Module):
         # output groups (a group's heads are consecutive): wq_b and wo_a by rows, wo_b by columns
         # (row-parallel: partial sums all-reduced over tp). The shared K=V head, the compressors and
         # the indexer are every head's: each rank computes them whole (models/parallel.py).
-        # Under context parallelism the compressed entries are striped over the cp group; the
-        # window, the compressors' rings and the sinks are every rank's (models/context_parallel.py).
+        # Under context parallelism CSA's entries (and its indexer's) are striped over the cp group:
+        # they are the state that grows with the context. HCA's entries (one per 128 positions), the
+        # window, the compressors' rings and the sinks are every rank's (models/context_parallel.py),
+        # so only CSA layers need collectives.
         self.tp, self.cp, self.layout = layout.tp, layout.cp, layout
+        self.stripes_entries = layout.cp > 1 and attention_type == CSA
         self.n_heads, self.head_dim, self.window, self.eps = c.num_attention_heads // layout.tp, c.head_dim, c.sliding_window, c.rms_norm_eps
         self.rate, self.groups = c.compress_rate(attention_type), c.o_groups // layout.tp
         # Speculative decoding writes up to k drafts past the accepted tokens: rings keep k spare
@@ -237,7 +241,9 @@ class Attention(nn.Module):
         self.wo_b = linear(self.groups * c.o_lora_rank, c.hidden_size, q)
         self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         if self.rate:
-            self.compressor = Compressor(c, c.head_dim, self.rate, overlap=attention_type == CSA, layout=layout)
+            whole = dataclasses.replace(layout, cp=1)  # (HCA: every rank keeps every entry)
+            self.compressor = Compressor(c, c.head_dim, self.rate, overlap=attention_type == CSA,
+                                         layout=layout if self.stripes_entries else whole)
         if attention_type == CSA:
             self.indexer = Indexer(c, layout)
         self.init_buffers()
@@ -249,7 +255,7 @@ class Attention(nn.Module):
     def state_specs(self, max_seqs: int, max_len: int, dtype: torch.dtype) -> list[StateSpec]:
         """The window and the compressors' rings are fixed; the entries grow with the context (a
         rank of a cp group keeps every cp-th entry)."""
-        S, per_entry = max_seqs + 1, self.rate * self.cp
+        S, per_entry = max_seqs + 1, self.rate * (self.cp if self.stripes_entries else 1)
         specs = [StateSpec("window", [S, self.window + self.spare, self.head_dim], dtype)]
         if self.rate:
             specs += [StateSpec("entries", [S, max_len // per_entry, self.head_dim], dtype, per_entry),
@@ -300,18 +306,18 @@ class Attention(nn.Module):
         if self.rate:
             entry_keys = self.compressor(compressor_rows[0], start, end, seq_slots, *compressed_state[:2])  # [N, E (/ cp), Dh]
             entry_ids = self.compressor.entry_ids(entry_keys.shape[1], x.device)
-            closed = entry_ids < ((p + 1) // self.rate)[..., None]  # [N, T, E (/ cp)]
+            closed = entry_ids < (((p if self.stripes_entries else p_rows) + 1) // self.rate)[..., None]  # [N, T, E (/ cp)]
             if hasattr(self, "indexer"):
                 chosen, seen = self.indexer(*compressor_rows[1:], cos, sin, start, end, seq_slots, closed, *compressed_state[2:])
                 entry_keys, closed = self.chosen_entries(entry_keys, entry_ids, closed, chosen, seen)
-            if self.cp == 1:  # one softmax over the window and the entries
+            if not self.stripes_entries:  # one softmax over the window and the entries
                 keys = torch.cat([keys, entry_keys], dim=1)  # [N, W + T + E (or k), Dh]
                 visible = torch.cat([visible, closed], dim=2)
 
         scores = torch.einsum("nthd,nkd->nthk", q_rows, keys) * Dh**-0.5
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
         sinks = self.attn_sink.to(scores.dtype).view(1, 1, H, 1).expand(*scores.shape[:3], 1)
-        if self.cp > 1 and self.rate:  # entries striped over the group (models/context_parallel.py)
+        if self.stripes_entries:  # entries striped over the group (models/context_parallel.py)
             out = self.striped(q, scores, sinks, keys, entry_keys, closed, block)
         else:
             probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(keys.dtype)  # the sink absorbs mass

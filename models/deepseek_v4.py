@@ -298,7 +298,7 @@ class Attention(nn.Module):
             reach = block[0] - self.window + torch.arange(self.window + block.shape[0], device=x.device)  # (< 0: none)
             chunk_keys = kv.index_select(1, reach.clamp(min=0))
             chunk_pos = torch.where(reach >= 0, start[:, None] + reach, -1)
-        key_pos = torch.cat([ring_positions(start - 1, ring.shape[1]), chunk_pos], dim=1)  # [N, W (+ spare) + T]
+        key_pos = torch.cat([ring_positions(start - 1, ring.shape[1]), chunk_pos], dim=1)  # [N, W (+ spare) + T (split: W + T / cp)]
         keys = torch.cat([ring, chunk_keys], dim=1)
         visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= p_rows[..., None]) & (key_pos[:, None, :] > p_rows[..., None] - self.window)
         update_ring(window, ring, kv, start, end, seq_slots)

@@ -5,13 +5,13 @@ backend and ranks, runs alternated and each rank on one thread:
 - TTFT of a 2048-token prompt (4 chunks of 512): cp 2 / cp 1;
 - decode at a 16K context: state bytes a rank (from the manifests) and TPOT, cp 2 / cp 1.
 
-    .venv/bin/python bench/context_parallel_bench.py                 # DeepSeek-V3, one round: ~8 minutes here
+    .venv/bin/python bench/context_parallel_bench.py                 # DeepSeek-V3, one round: ~8 minutes here (V4: ~12)
     .venv/bin/python bench/context_parallel_bench.py --arch deepseek_v4 --rounds 3
 
 The models are random, small enough for 2 cores and wide enough in attention that a long prompt
 is mostly attention, as at full size (their MoE experts are split over both ranks in either
 layout): a DeepSeek-V3, and a DeepSeek-V4 with V4's own compress rates (4 and 128), window (128),
-index heads and mHC streams (4).
+index heads (64 of 128, top-512) and mHC streams (4).
 """
 
 import argparse
@@ -41,16 +41,16 @@ CONFIGS["deepseek_v4"] = {"vocab_size": 1024, "hidden_size": 512, "moe_intermedi
           "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                           "compressed_sparse_attention"], "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
           "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, "sliding_window": 128,
-          "o_groups": 8, "o_lora_rank": 128, "index_n_heads": 8, "index_head_dim": 64, "index_topk": 128, "hc_mult": 4,
+          "o_groups": 8, "o_lora_rank": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4,
           "max_position_embeddings": 16384}
 PROMPT, CONTEXT = 2048, 16384 - 32  # the decode prompt leaves room for its tokens
 
 
-def write_recipe(work: Path, arch: str, cp: int) -> Path:
+def write_recipe(work: Path, arch: str, backend: str, cp: int) -> Path:
     recipe = {"name": f"cp{cp}", "model": {"arch": arch, "config": CONFIGS[arch], "seed": 0}, "dtype": "float32",
               "parallel": {"world_size": 2, "tp": 1, "ep": 2, "cp": cp},
               "methods": {"decode": {"buckets": [1], "context": [2048, 4096, 8192, 16384]}, "prefill": {"buckets": [512], "context": [2048, 4096, 8192, 16384]}},
-              "kv": {"max_seqs": 1, "max_len": 16384}, "backend": {"name": "export"}, "output": str(work / f"cp{cp}")}
+              "kv": {"max_seqs": 1, "max_len": 16384}, "backend": {"name": backend}, "output": str(work / f"cp{cp}")}
     path = work / f"cp{cp}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -78,10 +78,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1, help="alternated runs of each layout (medians reported)")
     parser.add_argument("--arch", choices=sorted(CONFIGS), default="deepseek_v3")
+    parser.add_argument("--backend", choices=["inductor", "export"], default="inductor",
+                        help="inductor: the CPU deployment's code; export: eager kernels, a fast compile, but "
+                             "decode is then mostly the host's cost of dispatching each op")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="deepinfer-cp-bench-") as tmp:
         work = Path(tmp)
-        bundles = {cp: compile_recipe(load_recipe(write_recipe(work, args.arch, cp)), cache_dir=work / "cache", progress=False).bundle
+        bundles = {cp: compile_recipe(load_recipe(write_recipe(work, args.arch, args.backend, cp)), cache_dir=work / "cache", progress=False).bundle
                    for cp in (1, 2)}
         ttft, tpot, tokens = {1: [], 2: []}, {1: [], 2: []}, {1: set(), 2: set()}
         for _ in range(args.rounds):
@@ -95,8 +98,8 @@ def main():
     median = {name: {cp: statistics.median(v[cp]) for cp in (1, 2)} for name, v in (("ttft", ttft), ("tpot", tpot))}
     model = {"deepseek_v3": "DeepSeek-V3 (random, hidden 512, 8 heads, kv_lora 256, 4 layers)",
              "deepseek_v4": "DeepSeek-V4 (random, hidden 512, 16 heads of 256, sliding + CSA 4 + HCA 128 + CSA, window 128, "
-                            "top-128 of 8 index heads, 4 mHC streams)"}[args.arch]
-    print(f"\n{model}, float32, export backend, world size 2 "
+                            "top-512 of 64 index heads of 128 as released, 4 mHC streams)"}[args.arch]
+    print(f"\n{model}, float32, {args.backend} backend, world size 2 "
           f"(tp 1, ep 2), each rank 1 thread, {args.rounds} alternated rounds, medians; {os.cpu_count()} cores")
     print(f"  {'':34s} {'cp 1':>10s} {'cp 2':>10s} {'cp 2 / cp 1':>12s}")
     print(f"  {f'TTFT, {PROMPT}-token prompt (s)':34s} {median['ttft'][1]:10.3f} {median['ttft'][2]:10.3f} "

@@ -61,6 +61,13 @@ def own_rows(x: torch.Tensor, cp_rank: torch.Tensor, cp: int) -> torch.Tensor:
     return x.index_select(0, cp_rank * n + torch.arange(n, device=x.device))
 
 
+def over_whole_chunk(fn, x: torch.Tensor, cp_rank: torch.Tensor, cp: int, *args) -> torch.Tensor:
+    """fn over the group's whole chunk (this rank's rows x [T / cp, ...] gathered), this rank's
+    block of its result kept: for an MoE whose experts are split over the group, so that each
+    rank's experts see every row of the chunk."""
+    return own_rows(fn(gather(x, cp), *args), cp_rank, cp)
+
+
 def stripe(positions: torch.Tensor, slots: torch.Tensor, cp_rank: torch.Tensor, cp: int, scratch: int):
     """Where the rows at `positions` [T] of `slots` [T] go in this rank's shard: (slot, entry);
     rows kept by another rank of the group go to the scratch slot."""

@@ -344,8 +344,7 @@ class DecoderLayer(nn.Module):
         if self.kind == "moe" and h.shape[0] != positions.shape[0]:
             # A prefill chunk under context parallelism: every rank computes its experts for the
             # whole chunk, whose rows the cp group holds a block each.
-            cp, cp_rank = self.self_attn.cp, self.self_attn.cp_rank
-            return h, context_parallel.own_rows(self.mlp(context_parallel.gather(x, cp)), cp_rank, cp)
+            return h, context_parallel.over_whole_chunk(self.mlp, x, self.self_attn.cp_rank, self.self_attn.cp)
         return h, self.mlp(x)
 
 

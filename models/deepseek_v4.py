@@ -525,8 +525,7 @@ class DecoderLayer(nn.Module):
         if h.shape[0] != tokens.shape[0]:
             # A prefill chunk under context parallelism: every rank computes its experts for the
             # whole chunk, whose rows the cp group holds a block each (as DeepSeek-V3's layer).
-            cp, cp_rank = self.attn.cp, self.attn.cp_rank
-            return h, post, context_parallel.own_rows(self.ffn(context_parallel.gather(x, cp), tokens), cp_rank, cp)
+            return h, post, context_parallel.over_whole_chunk(self.ffn, x, self.attn.cp_rank, self.attn.cp, tokens)
         return h, post, self.ffn(x, tokens)
 
 

@@ -28,6 +28,12 @@ def region_trace_path() -> Path | None:
     return path
 
 
+def shared_memory_collectives() -> bool:
+    """DEEPINFER_SHM_COLLECTIVES=0: keep the collectives of ranks on one host on gloo's sockets
+    instead of shared memory (to compare, or to rule the transport out); each group's first rank's value counts."""
+    return os.environ.get("DEEPINFER_SHM_COLLECTIVES", "1") != "0"
+
+
 def collective_timeout_s() -> float:
     """DEEPINFER_COLLECTIVE_TIMEOUT=SECONDS: how long a rank waits in a collective for the others
     before the job stops with an error (default 300; a rank that stops responding ends the job then)."""

@@ -86,14 +86,14 @@ def max_bucket(manifest) -> int:
 def join(executor: BundleExecutor, rank: int, world_size: int, master_addr: str, master_port: int):
     """Join the process groups with this rank's loaded bundle, and check every rank loaded the same
     one. Returns the group that carries step records to the other hosts (None on one host)."""
-    from .collectives import set_hosts
+    from .collectives import set_hosts, share_memory_on_hosts
     from .distributed import init_groups
 
     m = executor.manifest
     init_groups(rank, world_size, m.parallel["tp"], master_addr, master_port, node_size=node_size(m), cp=m.parallel.get("cp", 1))
     host, local_rank, _ = host_position(rank, world_size)
     mine = {"rank": rank, "manifest": sha256_file(executor.bundle / "manifest.json"), "toolchain": toolchain_versions(),
-            "world_size": m.parallel["world_size"], "host": host, "local_rank": local_rank}
+            "world_size": m.parallel["world_size"], "host": host, "local_rank": local_rank, "pid": os.getpid()}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)  # also the barrier after which the rings may be unlinked
     for other in everyone:
@@ -102,6 +102,7 @@ def join(executor: BundleExecutor, rank: int, world_size: int, master_addr: str,
                 raise RankFailed(f"rank {other['rank']} (host {other['host']}) loaded a different {key} than rank {rank} "
                                  f"({other[key]} vs {mine[key]}): every rank must run the same bundle and toolchain.")
     set_hosts({other["rank"]: other["host"] for other in everyone})
+    share_memory_on_hosts({other["rank"]: other["pid"] for other in everyone}, {other["rank"]: other["host"] for other in everyone})
     return relay_group(everyone)
 
 

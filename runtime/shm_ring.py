@@ -82,7 +82,7 @@ class ShmRing:
     def write(self, step_id: int, payload: np.ndarray, check=None, timeout: float = 60.0):
         slot = self.words[step_id % self.n_slots]
         reads = slot[self.HEADER : self.HEADER + self.n_readers]
-        _wait(lambda: slot[0] == 0 or reads.all(), check, timeout, f"readers to free ring slot for step {step_id}")
+        wait_until(lambda: slot[0] == 0 or reads.all(), check, timeout, f"readers to free ring slot for step {step_id}")
         slot[0] = 0
         slot[self.HEADER + self.n_readers :][: len(payload)] = payload
         slot[1] = step_id
@@ -91,13 +91,13 @@ class ShmRing:
 
     def read(self, reader: int, step_id: int, check=None, timeout: float = 60.0) -> np.ndarray:
         slot = self.words[step_id % self.n_slots]
-        _wait(lambda: slot[0] == 1 and slot[1] == step_id, check, timeout, f"step {step_id} from the writer")
+        wait_until(lambda: slot[0] == 1 and slot[1] == step_id, check, timeout, f"step {step_id} from the writer")
         payload = slot[self.HEADER + self.n_readers :].copy()
         slot[self.HEADER + reader] = 1
         return payload
 
 
-def _wait(ready, check, timeout: float, what: str):
+def wait_until(ready, check, timeout: float, what: str):
     if ready():
         return
     for _ in range(2000):  # spin: a step record usually arrives within microseconds

@@ -131,10 +131,15 @@ def generating_after(bundle: Path) -> float:
     return 1.2 * RUN_SECONDS[bundle] + 1
 
 
-def start_long_generation(bundle: Path, n_followers: int, env=None) -> tuple[subprocess.Popen, list[int]]:
-    """The leader on 40 prompts x 200 tokens (far longer than any test waits), once its followers run."""
-    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
-    leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *many, "--max-tokens", "200"],
+def start_long_generation(bundle: Path, n_followers: int, env=None, prefill=False) -> tuple[subprocess.Popen, list[int]]:
+    """The leader on 40 prompts x 200 tokens (far longer than any test waits), once its followers run;
+    `prefill`: on 400 prompts of 160 tokens x 1 token, so that every step is a prefill chunk."""
+    if prefill:
+        many = [a for i in range(400) for a in ("--prompt-ids", ",".join(str(3 + (i + j) % 300) for j in range(160)))]
+    else:
+        many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
+    leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *many,
+                               "--max-tokens", "1" if prefill else "200"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
     while len(children(leader.pid)) < n_followers:
@@ -147,10 +152,11 @@ def alive(pids: list[int]) -> bool:
     return any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in pids)
 
 
-def test_killed_follower_stops_the_job_within_10_seconds(bundles):
+@pytest.mark.parametrize("layout, prefill", [("ws4_tp1_ep4", False), ("ws4_cp2_tp2", True)], ids=["decoding", "cp-prefilling"])
+def test_killed_follower_stops_the_job_within_10_seconds(bundles, layout, prefill):
     shm_before = leftovers()
-    wait = generating_after(bundles["ws4_tp1_ep4"])
-    leader, followers = start_long_generation(bundles["ws4_tp1_ep4"], 3)
+    wait = generating_after(bundles[layout])
+    leader, followers = start_long_generation(bundles[layout], 3, prefill=prefill)
     try:
         time.sleep(wait)
         assert leader.poll() is None, leader.stderr.read()

@@ -12,8 +12,8 @@ Per model: unique regions, cold and warm wall seconds, the peak RSS of any proce
 (the compiler or a worker), where the cold time went (plan = tracing, export, backend compile
 summed over regions, writing the bundle; the slowest region), and the bytes of StableHLO and of
 executables in the bundle. The recipes are recipes/full-size/ with the backend replaced and the
-per-rank memory check left out (V4-Pro does not fit a 24 GiB rank without context parallelism:
-`deepinfer-compile plan` says so; compiling it here shows its regions compile).
+per-rank memory check left out (so that a layout under study compiles too; `deepinfer-compile plan`
+says whether it fits: V4-Pro's shipped tp 8 x cp 8 does).
 """
 
 import argparse

@@ -49,7 +49,7 @@ def write_recipe(work: Path, arch: str, backend: str, cp: int, context: int = 16
     contexts = [2048 << i for i in range((context // 2048).bit_length())]  # 2048 .. context
     recipe = {"name": f"cp{cp}", "model": {"arch": arch, "config": {**CONFIGS[arch], "max_position_embeddings": context}, "seed": 0}, "dtype": "float32",
               "parallel": {"world_size": 2, "tp": 1, "ep": 2, "cp": cp},
-              "methods": {"decode": {"buckets": [1], "context": contexts}, "prefill": {"buckets": [512], "context": contexts}},
+              "methods": {"decode": {"buckets": [1], "context": contexts}, "prefill": {"buckets": [512], "context": list(contexts)}},  # (two lists: no YAML alias)
               "kv": {"max_seqs": 1, "max_len": context}, "backend": {"name": backend}, "output": str(work / f"cp{cp}")}
     path = work / f"cp{cp}.yaml"
     path.write_text(yaml.safe_dump(recipe))

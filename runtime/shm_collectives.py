@@ -57,10 +57,10 @@ class HostGroup:
         """The group's sum of flat [M] (any dtype), the same bits on every rank."""
         out = torch.empty_like(flat)
         for start, parts in self._pieces(flat):
-            total = parts[0].clone()
+            total = out[start : start + parts[0].numel()]  # (summed in place: no copy per piece)
+            total.copy_(parts[0])
             for part in parts[1:]:
                 total += part
-            out[start : start + total.numel()] = total
         return out
 
     def all_gather(self, flat: torch.Tensor) -> torch.Tensor:

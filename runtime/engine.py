@@ -62,13 +62,16 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks with fixed output lengths)
     cache_salt: str = ""  # prefix caching reuses state only between requests of the same salt (tenants)
+    # Grammar-constrained decoding (runtime/grammar.py's Matcher, one per sequence): masks(drafts) ->
+    # (allowed [m + 1, V] bool, m drafts it accepts), advance(tokens), done, error.
+    constraint: object | None = None
 
 
 @dataclass
 class Result:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "eos" | "stop_token" | "max_tokens" | "context" | "cancelled" | "error"
+    finish_reason: str = ""  # "eos" | "stop_token" | "grammar" | "max_tokens" | "context" | "cancelled" | "error"
     error: str = ""  # with finish_reason "error": what failed (this request only; the engine goes on)
     cached_tokens: int = 0  # prompt tokens whose state was reused (prefix caching), not prefilled
     ttft: float = 0.0  # seconds from submission to the first token
@@ -386,16 +389,20 @@ class Engine:
 
     def _emit_chosen(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[int] | None:
         """Choose the tokens to emit from the model's logits [len(drafts) + 1, V] at the last token
-        and at each draft (sampling.verify_drafts), after the request's logit adjustments as they
-        stand at each row (row j follows drafts[:j]), and emit them until the sequence finishes.
-        None: sampling failed (the request did)."""
-        params = seq.request.sampling
+        and at each draft (sampling.verify_drafts), after the request's grammar mask (drafts past
+        the first it rejects are not proposed) and its logit adjustments as they stand at each row
+        (row j follows drafts[:j]), and emit them until the sequence finishes. None: sampling
+        failed (the request did)."""
+        params, constraint = seq.request.sampling, seq.request.constraint
         adjusted = logits
         try:
+            if constraint is not None:
+                allowed, kept = constraint.masks(drafts)
+                drafts, adjusted = drafts[:kept], logits[: kept + 1].masked_fill(~allowed, -math.inf)
             if params.adjusts:
                 stop_ids = list(params.stop_token_ids) + ([] if self.eos_id is None or seq.request.ignore_eos else [self.eos_id])
                 histories = [seq.result.token_ids + drafts[:j] for j in range(len(drafts) + 1)]
-                adjusted = adjust(logits, params, seq.request.prompt_ids, histories, stop_ids)
+                adjusted = adjust(adjusted, params, seq.request.prompt_ids, histories, stop_ids)
             tokens = verify_drafts(adjusted, drafts, params, seq.generator)
         except RuntimeError as err:
             _sampling_failed(seq.result, err)
@@ -451,8 +458,10 @@ class Engine:
         return next((c for c in self.contexts.get(method, ()) if c >= positions), None)
 
     def _emit(self, seq: Sequence, token: int, logprobs=None):
-        result = seq.result
+        result, constraint = seq.result, seq.request.constraint
         result.token_ids.append(token)
+        if constraint is not None:
+            constraint.advance([token])
         if logprobs is not None:
             result.logprobs.append(logprobs)
         now = time.perf_counter() - seq.submitted
@@ -463,6 +472,10 @@ class Engine:
             result.finish_reason = "eos"
         elif token in seq.request.sampling.stop_token_ids:
             result.finish_reason = "stop_token"
+        elif constraint is not None and constraint.error:  # (a bug: the mask allowed the token)
+            result.finish_reason, result.error = "error", f"the grammar refused token {token}: {constraint.error}"
+        elif constraint is not None and constraint.done:  # the grammar is complete: nothing may follow
+            result.finish_reason = "grammar"
         elif len(result.token_ids) >= seq.request.max_tokens:
             result.finish_reason = "max_tokens"
         elif seq.length >= self.max_len:  # the next token would have no cache position

@@ -27,7 +27,7 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # (it has none)
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:  # (it has none)
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
@@ -45,13 +45,14 @@ class HFTokenizer:
             self._tok = Tokenizer.from_str(source)
         except Exception as err:  # the tokenizers library raises a bare Exception on bad files
             raise DeepinferError(f"{where}: cannot read tokenizer ({str(err)[:200]}).") from None
+        self.source = source  # (llguidance builds its own view of the vocabulary from it)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`add_special_tokens=False` for text that already has them (a rendered chat template)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_token(self, token: int) -> str:
         """One token's text on its own, special tokens spelled out (logprobs' token strings)."""

@@ -100,8 +100,16 @@ V4_CONFIG = {
                         "compress": {"rope_type": "default", "rope_theta": 160000.0}},
 }
 ARCH_CONFIGS = {"deepseek_v3": (V3_CONFIG, "DeepseekV3ForCausalLM"), "deepseek_v4": (V4_CONFIG, "DeepseekV4ForCausalLM")}
-CHAT_TEMPLATE = ("{% for m in messages %}{{ '# ' + m['role'] + ':\\n' + m['content'] + '\\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}")
+# "# role:" headers (Python comments: the code the model knows), the request's tools as JSON lines
+# first, an assistant's tool calls as <tool_call>{"name", "arguments"}</tool_call> lines (the markup
+# deepinfer-serve reads back for tool_choice "auto"), and a thinking block opened when the request
+# asks for `thinking` (chat_template_kwargs, or reasoning_effort).
+CHAT_TEMPLATE = (
+    "{% if tools %}{{ '# tools:\\n' }}{% for t in tools %}{{ t['function'] | tojson }}{{ '\\n' }}{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ '# ' + m['role'] + ':\\n' }}{% if m['content'] is not none %}{{ m['content'] + '\\n' }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{{ '<tool_call>{\"name\": ' + c['function']['name'] | tojson + ', \"arguments\": ' "
+    "+ c['function']['arguments'] + '}</tool_call>\\n' }}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '# assistant:\\n' }}{% if thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}")
 
 
 def corpus() -> tuple[list[Path], list[Path]]:

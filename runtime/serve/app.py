@@ -4,32 +4,39 @@ knows steps. Every error is OpenAI's error object with the status it deserves.""
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import sys
 import time
-import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine import Request, tokens_per_step
+from ..engine import Request
 from ..errors import DeepinferError
+from ..grammar import Grammars
+from ..grammar_text import GrammarError
 from ..sampling import SamplingError
 from ..tokenizer import bundle_tokenizer
 from .chat import ChatTemplate
-from .engine_thread import EngineThread, Failed, Handle
+from .engine_thread import EngineThread, Handle
+from .grammar_worker import GrammarCompiler
 from .metrics import Metrics
 from ..versions import toolchain_versions
-from .protocol import (FINISH_REASONS, APIError, Generation, bad, message_text, not_unicode, parse_chat, parse_completion, parse_detokenize,
+from .protocol import (APIError, Generation, bad, message_text, not_unicode, parse_chat, parse_completion, parse_detokenize,
                        parse_tokenize)
 from .template_worker import RENDER_SECONDS, TemplateRenderer
-from .text import TextStream
+from .reasoning import END as END_OF_THINKING, thinking_prompt
+from .chat_output import Shape
+from .reply import EventStream, Reply
+from .structured import OutputConstraint
+from .tools import template_markup
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -41,20 +48,22 @@ class OpenAIServer:
     def __init__(self, open_executor, model_name: str, max_queue: int, api_keys: tuple[str, ...] = (),
                  render_seconds: float = RENDER_SECONDS, body_seconds: float = 30.0, prefix_caching: bool = True,
                  prefix_cache_per_key: bool = False, url: str = "", access_log: bool = True,
-                 allowed_origins: tuple[str, ...] = ()):
+                 allowed_origins: tuple[str, ...] = (), reasoning: bool = False):
         """`api_keys`: the keys a client may send (none: no key asked); `prefix_cache_per_key`: each
         key's requests share cached prompts only among themselves (the key salts them); `url`: where
         it listens (for the ready line); `access_log`: a line on stderr per request; `allowed_origins`:
-        the browser origins CORS lets call it ("*": any)."""
+        the browser origins CORS lets call it ("*": any); `reasoning`: split chat outputs' thinking
+        into reasoning_content (reasoning.py)."""
         self.open_executor, self.model_name, self.max_queue, self.api_keys = open_executor, model_name, max_queue, api_keys
         self.prefix_caching, self.prefix_cache_per_key = prefix_caching, prefix_cache_per_key
-        self.url, self.access_log = url, access_log
+        self.url, self.access_log, self.reasoning = url, access_log, reasoning
         self.load_started = time.perf_counter()
         self.render_seconds, self.body_seconds = render_seconds, body_seconds
         self.metrics = Metrics(model_name)
         self.engine_thread: EngineThread | None = None
         self.engine = None  # once loaded
-        self.tokenizer = self.renderer = None
+        self.tokenizer = self.renderer = self.grammars = self.compiler = None
+        self.markup: str | None = None  # the chat template's tool-call markup (tools.MARKUPS), if it has one
         self.inflight = 0  # prompts admitted and not yet answered
         self.draining = False
         self.failure: str | None = None
@@ -85,14 +94,20 @@ class OpenAIServer:
         self.engine_thread.start()
         yield
         self.engine_thread.stop(timeout=60)
-        if self.renderer is not None:
-            await self.renderer.close()
+        for worker in (self.renderer, self.compiler):
+            if worker is not None:
+                await worker.close()
 
     def _load(self):
         """On the engine thread: the executor, the tokenizer and the chat template."""
         executor = self.open_executor()
         self.tokenizer = bundle_tokenizer(executor)
-        self.renderer = TemplateRenderer(ChatTemplate.of_bundle(executor), self.render_seconds)
+        template = ChatTemplate.of_bundle(executor)
+        self.renderer = TemplateRenderer(template, self.render_seconds)
+        self.markup = template_markup(template.source)
+        m = executor.manifest
+        self.grammars = Grammars(self.tokenizer, m.vocab_size, m.eos_token_id)
+        self.compiler = GrammarCompiler(self.grammars)
         return executor
 
     def _ready(self, engine):
@@ -121,18 +136,28 @@ class OpenAIServer:
     async def completions(self, request: HTTPRequest) -> Response:
         generation = await self._accept(request, parse_completion)
         prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in generation.prompts]
-        return await self._respond(request, generation, prompts, chat=False)
+        return await self._respond(request, generation, prompts, Shape(chat=False))
 
     async def chat(self, request: HTTPRequest) -> Response:
         generation = await self._accept(request, parse_chat)
-        text = await self._render(generation.prompts[0])
-        return await self._respond(request, generation, [self.tokenizer.encode(text, add_special_tokens=False)], chat=True)
+        tools = [t for t in generation.tools.tools] if generation.tools is not None else None
+        text = await self._render(generation.prompts[0], tools, generation.template_kwargs)
+        shape = Shape(chat=True, tools=generation.tools, markup=self.markup,
+                      reasoning=self.reasoning, thinking=self.reasoning and thinking_prompt(text))
+        return await self._respond(request, generation, [self.tokenizer.encode(text, add_special_tokens=False)], shape)
 
-    async def _render(self, messages: list[dict]) -> str:
+    async def _render(self, messages: list[dict], tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
         try:
-            return await self.renderer.render([message_text(m) for m in messages])
+            return await self.renderer.render([message_text(m) for m in messages], tools, kwargs)
         except ValueError as err:
             raise bad("messages", f"{self.renderer.template.where} failed on these messages: {err}") from None
+
+    async def _grammar(self, constraint: OutputConstraint) -> str:
+        """The constraint compiled (grammar_worker.py: bounded, cached across requests)."""
+        try:
+            return await self.compiler.compile(constraint.kind, constraint.spec)
+        except GrammarError as err:
+            raise bad(constraint.param, f"not a grammar this server can follow (llguidance: {err}).") from None
 
     async def models(self, request: HTTPRequest) -> Response:
         self._authorize(request)
@@ -201,14 +226,14 @@ class OpenAIServer:
                 raise
             self.metrics.requests.labels(name, str(response.status_code)).inc()
             reply = getattr(response, "reply", None)
-            if isinstance(response, _EventStream):  # (logged once the stream ends: its tokens are known then)
+            if isinstance(response, EventStream):  # (logged once the stream ends: its tokens are known then)
                 response.done = lambda: self._log_access(request, response.status_code, start, reply)
             else:
                 self._log_access(request, response.status_code, start, reply)
             return response
         return counted
 
-    def _log_access(self, request: HTTPRequest, status: int, start: float, reply: "_Reply | None" = None):
+    def _log_access(self, request: HTTPRequest, status: int, start: float, reply: "Reply | None" = None):
         """One line a request, as vLLM's users read uvicorn's: client, request line, status, then
         the latency and, for a generation, its tokens."""
         if not self.access_log:
@@ -290,230 +315,38 @@ class OpenAIServer:
             requests.append(request)
         return requests
 
-    async def _respond(self, http: HTTPRequest, generation: Generation, prompts: list[list[int]], chat: bool) -> Response:
-        """Choice i is prompt i // n's (i % n)-th sample, seeded seed + i."""
-        requests = [r for r in self._requests(generation, prompts, "messages" if chat else "prompt")
-                    for _ in range(generation.n)]
+    async def _respond(self, http: HTTPRequest, generation: Generation, prompts: list[list[int]], shape: Shape) -> Response:
+        """Choice i is prompt i // n's (i % n)-th sample, seeded seed + i, with its own grammar matcher."""
+        requests = self._requests(generation, prompts, "messages" if shape.chat else "prompt")
         capacity = self.engine.max_seqs + self.max_queue
-        if len(requests) > capacity:
-            raise bad("prompt", f"{len(requests)} choices (prompts x n) in one request can never be taken: this server "
+        choices = len(requests) * generation.n
+        if choices > capacity:
+            raise bad("prompt", f"{choices} choices (prompts x n) in one request can never be taken: this server "
                                 f"runs {self.engine.max_seqs} and queues {self.max_queue}; ask for at most {capacity}.")
-        if self.inflight + len(requests) > capacity:
+        if self.inflight + choices > capacity:
             raise APIError(429, f"the server is at capacity ({self.engine.max_seqs} running and {self.max_queue} queued "
                                 "requests); retry later.", headers={"Retry-After": "1"})
+        if generation.constraint is not None:
+            grammar = await self._grammar(generation.constraint)
+            after = END_OF_THINKING if shape.thinking else ""
+            requests = [dataclasses.replace(r, constraint=self.grammars.matcher(grammar, after))
+                        for r in requests for _ in range(generation.n)]
+        else:
+            requests = [r for r in requests for _ in range(generation.n)]
         events: asyncio.Queue = asyncio.Queue()
         handles = [Handle(r, generation.sampling.seed + i, events, i) for i, r in enumerate(requests)]
         self.inflight += len(handles)
         for handle in handles:
             self.engine_thread.submit(handle)
-        reply = _Reply(self, generation, handles, chat)
+        reply = Reply(self, generation, handles, shape)
         if generation.echo:
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in generation.prompts]
             reply.echo_texts = [t for t in texts for _ in range(generation.n)]
         if generation.stream:
-            return _EventStream(reply)
+            return EventStream(reply)
         response = JSONResponse(await reply.whole(http))
         response.reply = reply  # (for the access log)
         return response
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events of a reply, which is closed however the response ends (a client that
-    left before the first event never starts the generator, whose own cleanup would not run)."""
-
-    def __init__(self, reply: "_Reply"):
-        super().__init__(reply.stream(), media_type="text/event-stream")
-        self.reply = reply
-        self.done = lambda: None  # called once the stream ended (the access log)
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.reply.close()
-            self.done()
-
-
-class _Reply:
-    """One HTTP request's answer, built from its prompts' token events."""
-
-    def __init__(self, server: OpenAIServer, generation: Generation, handles: list[Handle], chat: bool):
-        self.server, self.generation, self.handles, self.chat = server, generation, handles, chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.object = "chat.completion" if chat else "text_completion"
-        self.created = int(time.time())
-        self.texts = [""] * len(handles)
-        self.token_ids: list[list[int]] = [[] for _ in handles]
-        self.logprobs: list[list] = [[] for _ in handles]  # per choice: (token, logprob, top) of what it reports
-        self.offsets = [0] * len(handles)  # per choice: characters of text already reported (text_offset)
-        self.finish: list[str | None] = [None] * len(handles)
-        self.pending = set(range(len(handles)))  # prompts not finished
-        self.closed = False
-        self.echo_texts: list[str] | None = None  # completions' echo: each choice's prompt text
-        self.echoed: set[int] = set()
-
-    def close(self):
-        """Cancel what still runs and release the reply's place in the server (once)."""
-        if self.closed:
-            return
-        self.closed = True
-        for i in self.pending:
-            self.server.engine_thread.cancel(self.handles[i])
-        for handle in self.handles:
-            self.server.engine_thread.finished(handle)
-        self.server.inflight -= len(self.handles)
-
-    async def updates(self):
-        """(index, new text, new token ids, new logprob entries, finish_reason or None) as the
-        engine produces them; with echo a choice's first update starts with its prompt. Leaving
-        early (a client gone, an error) cancels what is still running."""
-        streams = [TextStream(self.server.tokenizer, self.generation.stop, self.generation.sampling.min_tokens)
-                   for _ in self.handles]
-        pending = self.pending
-        events = self.handles[0].events
-        try:
-            while pending:
-                event = await events.get()
-                if isinstance(event, Failed):
-                    raise APIError(503, f"the engine is gone: {event.message}")
-                if event.index not in pending:
-                    continue  # (a prompt already ended by a stop string: its cancellation)
-                i, stream = event.index, streams[event.index]
-                text = "".join(stream.add(t) for t in event.token_ids)
-                finish = event.finish_reason
-                if stream.stopped:
-                    finish = "stop"
-                elif finish == "cancelled":
-                    raise APIError(503, "the server is shutting down: this request was cancelled.")
-                elif finish == "error":
-                    raise APIError(500, f"generating prompt {i} failed ({event.error}); the server goes on.")
-                new_ids = event.token_ids
-                if finish:
-                    text += stream.finish()
-                    pending.discard(i)
-                if stream.stopped:
-                    self.server.engine_thread.cancel(self.handles[i])
-                entries = [(t, lp, top) for t, (lp, top) in zip(new_ids, event.logprobs)]
-                if self.echo_texts is not None and i not in self.echoed:  # the prompt first, once
-                    self.echoed.add(i)
-                    text, entries = self.echo_texts[i] + text, self._prompt_entries(i, event.prompt_logprobs) + entries
-                self.texts[i] += text
-                self.token_ids[i] += new_ids
-                self.logprobs[i] += entries
-                self.finish[i] = FINISH_REASONS[finish] if finish else None
-                yield i, text, new_ids, entries, self.finish[i]
-        finally:
-            self.close()
-
-    async def whole(self, http: HTTPRequest) -> dict:
-        """The non-streaming answer; a client that disconnects meanwhile cancels it."""
-        async def consume():
-            async for _ in self.updates():
-                pass
-
-        work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(http))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-        if not work.done() or work.cancelled():
-            return {}
-        work.result()  # raises the APIError of a failed engine
-        choices = [self._choice(i, self.texts[i], self.token_ids[i], self.logprobs[i], self.finish[i], whole=True)
-                   for i in range(len(self.handles))]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_name,
-                "choices": choices, "usage": self.usage()}
-
-    async def stream(self):
-        """Server-sent events: chunks, then (stream_options.include_usage) usage, then [DONE]. With
-        vLLM's continuous_usage_stats every chunk carries the usage so far."""
-        def usage() -> dict:
-            if not self.generation.include_usage:
-                return {}
-            return {"usage": self.usage() if self.generation.continuous_usage else None}
-
-        if self.chat:
-            yield _event(self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                       "finish_reason": None}], usage()))
-        try:
-            async for i, text, ids, entries, finish in self.updates():
-                if text or finish or (ids and (self.generation.return_token_ids or self.wants_logprobs)):
-                    yield _event(self._chunk([self._choice(i, text, ids, entries, finish, whole=False)], usage()))
-        except APIError as err:
-            yield _event(err.body())
-        else:
-            if self.generation.include_usage:
-                yield _event(self._chunk([], {"usage": self.usage()}))
-        yield "data: [DONE]\n\n"
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.generation.sampling.logprobs is not None
-
-    def _choice(self, i: int, text: str, ids: list[int], entries: list, finish: str | None, whole: bool) -> dict:
-        logprobs = self._logprobs(i, entries) if self.wants_logprobs else None
-        if self.chat:
-            content = {"role": "assistant", "content": text} if whole else {"content": text}
-            choice = {"index": i, "message" if whole else "delta": content, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if self.generation.return_token_ids:
-            choice["token_ids"] = ids
-            if whole:
-                choice["prompt_token_ids"] = self.handles[i].request.prompt_ids
-        return choice
-
-    def _prompt_entries(self, i: int, scores: list | None) -> list:
-        """Echo with logprobs: (token, logprob, top) of each prompt token (the first has none)."""
-        if not scores:
-            return []
-        prompt = self.handles[i].request.prompt_ids
-        return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], scores)]
-
-    def _logprobs(self, i: int, entries: list) -> dict:
-        """OpenAI's logprobs object for `entries` [(token, logprob, [(token, logprob)] top)]:
-        completions' token/token_logprobs/top_logprobs/text_offset (top_logprobs also holds the
-        chosen token, as vLLM's), or chat's content list."""
-        piece = self.server.tokenizer.decode_token
-        if self.chat:
-            def item(token, lp):
-                text = piece(token)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-            return {"content": [{**item(t, lp), "top_logprobs": [item(u, v) for u, v in top]} for t, lp, top in entries]}
-        tokens = [piece(t) for t, _, _ in entries]
-        offsets = []
-        for text in tokens:
-            offsets.append(self.offsets[i])
-            self.offsets[i] += len(text)
-        tops = [None if top is None else {piece(u): v for u, v in top} | {text: lp} for text, (_, lp, top) in zip(tokens, entries)]
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
-
-    def _chunk(self, choices: list, extra: dict) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name,
-                "choices": choices, **extra}
-
-    def usage(self) -> dict:
-        prompt = sum(len(h.request.prompt_ids) for h in self.handles[:: self.generation.n])  # (once per prompt)
-        completion = sum(len(ids) for ids in self.token_ids)
-        # OpenAI's prompt_tokens_details.cached_tokens: prompt tokens not prefilled (prefix caching), per prompt's first sequence.
-        cached = sum(h.seq.result.cached_tokens for h in self.handles[:: self.generation.n] if h.seq is not None)
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
-        if self.server.engine.speculative:  # tokens a decode step emitted (speculative decoding's gain)
-            usage["tokens_per_step"] = tokens_per_step([h.seq.result for h in self.handles if h.seq is not None])
-        return usage
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def _disconnected(http: HTTPRequest):
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _json_body(request: HTTPRequest, seconds: float) -> dict:

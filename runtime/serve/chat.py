@@ -53,11 +53,13 @@ class ChatTemplate:
         """What a render worker needs to build the same template."""
         return {"template": self.source, "bos_token": self.bos_token, "eos_token": self.eos_token}
 
-    def render(self, messages: list[dict]) -> str:
-        """In this process, unbounded (the server renders through template_worker). Raises
-        ValueError on any failure: the template's own complaint (roles out of order), or its bug."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+        """In this process, unbounded (the server renders through template_worker). `tools`: the
+        request's function tools (templates that list them read `tools`); `kwargs`: the request's
+        chat_template_kwargs (e.g. DeepSeek's `thinking`). Raises ValueError on any failure: the
+        template's own complaint (roles out of order), or its bug."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                        eos_token=self.eos_token)
+            return self.template.render(**(kwargs or {}), messages=messages, tools=tools, add_generation_prompt=True,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
         except Exception as err:  # a template is code: 1/0, messages + 1, the sandbox saying no ...
             raise ValueError(f"{type(err).__name__}: {err}") from None

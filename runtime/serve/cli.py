@@ -51,11 +51,14 @@ from ..trust import Trust, trust_options
                    "[default: none, browsers on other origins are refused]")
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
               help="a line on stderr per request: client, request, status, latency, tokens")
+@click.option("--reasoning-parser", type=click.Choice(["deepseek_r1"]),
+              help="return a reasoning model's thinking (up to </think>) as reasoning_content, apart from the answer "
+                   "(vLLM's deepseek_r1 parser); structured outputs and tool calls then apply to the answer")
 @click.option("--model", hidden=True, expose_value=False, callback=lambda ctx, param, value: _vllms_model(value),
               help="vLLM's flag; see --bundle and --served-model-name")
 @trust_options(default="signed")
 def main(bundle, host, port, max_queue, api_keys, served_model_name, grace, request_timeout, prefix_caching,
-         prefix_cache_per_key, allowed_origins, access_log, verify_key, native_regions):
+         prefix_cache_per_key, allowed_origins, access_log, reasoning_parser, verify_key, native_regions):
     """Serve a compiled bundle over OpenAI's HTTP API. A bundle of inductor, pjrt or neuron regions is
     machine code: by default it is served only when signed and verified (--verify-key); pass
     --native-regions allow for one you built yourself."""
@@ -99,7 +102,7 @@ def main(bundle, host, port, max_queue, api_keys, served_model_name, grace, requ
     api = OpenAIServer(lambda: open_bundle(bundle, under_torchrun, trust, on_failure=lambda m: api.engine_thread.fail(m)),
                        name, max_queue, api_keys, body_seconds=request_timeout, prefix_caching=prefix_caching,
                        prefix_cache_per_key=prefix_cache_per_key, url=url, access_log=access_log,
-                       allowed_origins=allowed_origins)
+                       allowed_origins=allowed_origins, reasoning=reasoning_parser is not None)
     config = uvicorn.Config(api.app, log_level="warning", lifespan="on", http=head_deadline_protocol(request_timeout))
     server = DrainingServer(config, api, grace)
     click.echo(f"deepinfer-serve: listening on {url} (model {name!r}; loading {bundle}, /health answers 503 until "

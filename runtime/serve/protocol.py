@@ -4,40 +4,38 @@ not implement is accepted only at the value that asks for nothing (best_of=1, su
 Sampling knobs follow OpenAI's documented ranges and vLLM's extensions (top_k, min_p,
 repetition_penalty, min_tokens, stop_token_ids)."""
 
+import json
 import math
 from dataclasses import dataclass, field
 
 from ..sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ..tokenizer import is_text
+from .api_error import APIError, bad
+from .structured import parse_output_constraint
+from .tools import parse_tools
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               503: "server_error"}
-
-# Parameters we do not build, and the one value each may take (what asking for nothing looks like).
-NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-           "response_format": (None, {"type": "text"})}
+# Parameters we do not build, and the values each may take (what asking for nothing looks like).
+NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "modalities": (None, ["text"]), "audio": (None,),
+           "web_search_options": (None,)}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "n",
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+          # output constraints (structured.py): OpenAI's response_format, vLLM's structured_outputs and guided_*
+          "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
           # vLLM's extensions
           "ignore_eos", "return_token_ids", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
           "cache_salt"}
+# OpenAI's, accepted and without effect here (README: "Parameters"): storage, routing and billing
+# hints, the prompt cache's key (prefix caching needs none), a predicted output.
+IGNORED = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "prediction", "verbosity"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                  "parallel_tool_calls", "functions", "function_call", "reasoning_effort",
+                                  "chat_template_kwargs"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_N = 16  # choices per prompt
 # The engine's finish reasons as OpenAI's finish_reason (and vLLM's finished_reason metric label).
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_tokens": "length", "context": "length"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "grammar": "stop", "max_tokens": "length",
+                  "context": "length"}
 
 
 @dataclass
@@ -57,10 +55,9 @@ class Generation:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs if asked)
     cache_salt: str = ""  # vLLM's: prefix caching shares state only among requests of the same salt
-
-
-def bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param)
+    constraint: object = None  # structured.OutputConstraint the output follows (tools' included), or None
+    tools: object = None  # chat: tools.ToolUse, or None
+    template_kwargs: dict = field(default_factory=dict)  # chat: chat_template_kwargs (reasoning_effort's switch too)
 
 
 def parse_completion(body: dict) -> Generation:
@@ -90,9 +87,36 @@ def parse_chat(body: dict) -> Generation:
     if logprobs is None and top:
         raise bad("top_logprobs", "needs \"logprobs\": true.")
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        return _generation(body, [messages], _optional_int(body, "max_completion_tokens", None), "max_completion_tokens",
-                           logprobs=logprobs)
-    return _generation(body, [messages], _optional_int(body, "max_tokens", None), logprobs=logprobs)
+        generation = _generation(body, [messages], _optional_int(body, "max_completion_tokens", None),
+                                 "max_completion_tokens", logprobs=logprobs)
+    else:
+        generation = _generation(body, [messages], _optional_int(body, "max_tokens", None), logprobs=logprobs)
+    generation.tools = parse_tools(body)
+    tool_constraint = generation.tools.constraint() if generation.tools is not None else None
+    if tool_constraint is not None:
+        if generation.constraint is not None:
+            raise bad(generation.constraint.param, f"tool_choice {generation.tools.choice!r} constrains the output to "
+                                                   "tool calls already: drop one of them.")
+        generation.constraint = tool_constraint
+    generation.template_kwargs = _template_kwargs(body)
+    return generation
+
+
+def _template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs, and reasoning_effort as the `thinking` switch DeepSeek's templates read
+    (templates without it ignore it; an explicit chat_template_kwargs.thinking wins)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or len(json.dumps(kwargs)) > 65536:
+        raise bad("chat_template_kwargs", "give an object (of at most 64 KiB as JSON).")
+    reserved = set(kwargs) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+    if reserved:
+        raise bad("chat_template_kwargs", f"{sorted(reserved)[0]!r} is set by the server, not by the request.")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad("reasoning_effort", f"{effort!r}: give one of {', '.join(REASONING_EFFORTS)}.")
+    if effort is not None and "thinking" not in kwargs:
+        kwargs = {**kwargs, "thinking": effort not in ("none", "minimal")}
+    return kwargs
 
 
 def _check_messages(messages):
@@ -102,16 +126,28 @@ def _check_messages(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad(f"messages[{i}]", "each message is an object with a string \"role\".")
         content = message.get("content")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if message["role"] != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls):
+                raise bad(f"messages[{i}].tool_calls", "an assistant's list of {\"id\", \"type\": \"function\", "
+                                                       "\"function\": {\"name\", \"arguments\": string}}.")
         if isinstance(content, list):  # content parts: only text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise bad(f"messages[{i}].content", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.")
+        elif content is None and message["role"] == "assistant":
+            pass  # (one that made tool calls, or said nothing)
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", "give a string or a list of text parts.")
 
 
+def _is_call(call) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str)
+
+
 def message_text(message: dict) -> dict:
     """A chat message with its content parts joined into one string (what templates expect)."""
-    content = message["content"]
+    content = message.get("content")
     if isinstance(content, list):
         content = "".join(part["text"] for part in content)
     return {**message, "content": content}
@@ -168,7 +204,8 @@ def _generation(body: dict, prompts: list, max_tokens: int | None, max_tokens_pa
     return Generation(prompts, max_tokens, sampling, stop,
                       stream=_flag(body, "stream"), include_usage=include_usage, continuous_usage=include_usage and continuous,
                       ignore_eos=_flag(body, "ignore_eos"), return_token_ids=_flag(body, "return_token_ids"),
-                      max_tokens_param=max_tokens_param, n=n, echo=echo, cache_salt=salt or "")
+                      max_tokens_param=max_tokens_param, n=n, echo=echo, cache_salt=salt or "",
+                      constraint=parse_output_constraint(body))
 
 
 def _top_k(body: dict) -> int:
@@ -226,7 +263,8 @@ def _check_fields(body: dict, allowed: set):
     for name, value in body.items():
         if name in NEUTRAL:
             if not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
-                raise bad(name, f"{value!r} is not supported by this server (only {NEUTRAL[name][0]!r}).")
+                raise bad(name, f"{json.dumps(value)[:80]} is not supported by this server (only "
+                                f"{' or '.join(json.dumps(v) for v in NEUTRAL[name])}).")
         elif name not in allowed:
             raise bad(name, "unknown or unsupported parameter.")
 

@@ -5,8 +5,10 @@ min_tokens tokens)."""
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0, keep_special: bool = False, hidden=()):
+        """`keep_special`: special tokens are spelled out (a markup made of them is parsed), except
+        the `hidden` ones (EOS)."""
+        self.tokenizer, self.keep_special, self.hidden = tokenizer, keep_special, set(hidden)
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens
         self.ids: list[int] = []
@@ -18,11 +20,11 @@ class TextStream:
 
     def add(self, token: int) -> str:
         """Feed one generated token; returns the text that may be sent now (often "")."""
-        if self.stopped:
+        if self.stopped or (self.keep_special and token in self.hidden):
             return ""
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
         if after.endswith("\ufffd"):  # an unfinished multi-byte character: wait for its next token
             return ""
         self._extend(after[len(before) :])
@@ -31,9 +33,12 @@ class TextStream:
     def finish(self) -> str:
         """The text still held back, once the sequence has ended."""
         if not self.stopped:
-            before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-            self._extend(self.tokenizer.decode(self.ids[self.prefix :])[len(before) :])
+            before = self._decode(self.ids[self.prefix : self.read])
+            self._extend(self._decode(self.ids[self.prefix :])[len(before) :])
         return self._take(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=not self.keep_special)
 
     def _extend(self, piece: str):
         self.prefix, self.read = self.read, len(self.ids)

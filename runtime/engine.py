@@ -39,6 +39,10 @@ draft step proposes the next k for every sequence: the MTP module runs over the 
 emitted (it has not seen them) and chains its own argmax k - 1 times, in one program. Rejected
 drafts' state is overwritten by later steps: nothing is cleared. Without speculation a decode
 step is the same with no drafts.
+
+Grammar-constrained decoding (a request's `constraint`, runtime/grammar.py): the logits of every
+row are masked on the host before sampling; drafts the grammar refuses are not verified, and
+where the grammar forces the next tokens, those are the drafts.
 """
 
 import itertools
@@ -63,7 +67,7 @@ class Request:
     ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks with fixed output lengths)
     cache_salt: str = ""  # prefix caching reuses state only between requests of the same salt (tenants)
     # Grammar-constrained decoding (runtime/grammar.py's Matcher, one per sequence): masks(drafts) ->
-    # (allowed [m + 1, V] bool, m drafts it accepts), advance(tokens), done, error.
+    # (allowed [m + 1, V] bool, m drafts it accepts), forced(), advance(tokens), done, error.
     constraint: object | None = None
 
 
@@ -236,7 +240,19 @@ class Engine:
         if self.speculative:
             self._draft([s for s in self.running if s.decoding and s.unseen and self._draft_budget(s) > 0])
         self._retire()
+        if self.speculative:
+            for seq in self.running:
+                if seq.request.constraint is not None and seq.decoding:
+                    self._grammar_drafts(seq)
         return updated
+
+    def _grammar_drafts(self, seq: Sequence):
+        """A constrained sequence's next drafts are the tokens its grammar forces, where it forces
+        some: the verify step accepts them (the masked model has no other choice), as it seldom
+        accepts the MTP module's through a schema's fixed punctuation and names."""
+        forced = seq.request.constraint.forced()[: self._draft_budget(seq)]
+        if forced:
+            seq.drafts = forced
 
     def generate(self, requests: list[Request]) -> list[Result]:
         """Run a list of requests to the end (sequence i samples from seed + i)."""

@@ -140,7 +140,7 @@ class OpenAIServer:
 
     async def chat(self, request: HTTPRequest) -> Response:
         generation = await self._accept(request, parse_chat)
-        tools = [t for t in generation.tools.tools] if generation.tools is not None else None
+        tools = generation.tools.tools if generation.tools is not None else None
         text = await self._render(generation.prompts[0], tools, generation.template_kwargs)
         shape = Shape(chat=True, tools=generation.tools, markup=self.markup,
                       reasoning=self.reasoning, thinking=self.reasoning and thinking_prompt(text))

@@ -21,7 +21,8 @@ class ReasoningStream:
     start of a marker split across tokens."""
 
     def __init__(self, thinking: bool):
-        self.state = "thinking" if thinking else "start"  # start: an opening <think> may still come
+        # start: an opening <think> may still come; thinking; ended: </think> seen; answer
+        self.state = "thinking" if thinking else "start"
         self.held = ""
 
     def add(self, text: str) -> tuple[str, str]:
@@ -41,12 +42,16 @@ class ReasoningStream:
                 before, found, after = text.partition(END)
                 if found:
                     reasoning += before
-                    self.state, text = "answer", after.lstrip("\n")
+                    self.state, text = "ended", after
                     continue
                 keep = partial_suffix(text, END)
                 reasoning += text[: len(text) - keep]
                 self.held = text[len(text) - keep:]
                 return reasoning, content
+            elif self.state == "ended":  # (the newlines after </think> are the template's, not the answer's)
+                text = text.lstrip("\n")
+                if text:
+                    self.state = "answer"
             else:
                 content += text
                 text = ""

@@ -129,8 +129,9 @@ def test_an_agent_loop_a_call_its_result_and_the_answer(client, server):
                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 3})}]
     assert history[1]["role"] == "assistant" and "content" not in history[1]  # (as the SDK sends it back)
     final = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="auto", max_tokens=30,
-                                           temperature=0, stream_options=None)
+                                           temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.usage.prompt_tokens_details.cached_tokens >= 16  # (the first turn's prefix: prefix caching composes)
     # The history rendered through the template: the call as its markup, then the tool's result.
     tokens = client.post("/../tokenize", cast_to=object, body={"messages": history})
     detokenized = client.post("/../detokenize", cast_to=object, body={"tokens": tokens["tokens"]})["prompt"]

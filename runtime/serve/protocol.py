@@ -24,7 +24,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
           # vLLM's extensions
           "ignore_eos", "return_token_ids", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
           "cache_salt"}
-# OpenAI's, accepted and without effect here (README: "Parameters"): storage, routing and billing
+# OpenAI's, accepted and without effect here (docs/serving.md says so): storage, routing and billing
 # hints, the prompt cache's key (prefix caching needs none), a predicted output.
 IGNORED = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "prediction", "verbosity"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo"}

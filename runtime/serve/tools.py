@@ -58,7 +58,8 @@ class ToolUse:
                 return text, []
             return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
         if self.choice == "auto" and markup is not None:
-            return parse_markup(text, markup, {t["function"]["name"] for t in self.tools})
+            left, calls = parse_markup(text, markup, {t["function"]["name"] for t in self.tools})
+            return left, calls if self.parallel else calls[:1]  # (parallel_tool_calls false: the first)
         return text, []
 
     def _tool(self, name: str) -> dict:

@@ -63,3 +63,10 @@ def test_streamed_deltas_add_up_to_the_whole_message(choice):
         arguments += "".join(c["function"].get("arguments", "") for c in delta.get("tool_calls", []))
     assert finish == streamed_finish == "tool_calls"
     assert content.strip() == (whole["content"] or "") and arguments == whole["tool_calls"][0]["function"]["arguments"]
+
+
+def test_auto_keeps_one_call_without_parallel_tool_calls():
+    two = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    for parallel, count in ((True, 2), (False, 1)):
+        _, calls = ToolUse([ADD], "auto", parallel=parallel).calls(two, "tags")
+        assert len(calls) == count and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}

@@ -215,3 +215,31 @@ def test_a_hostile_schema_is_refused_in_bounded_time_and_the_server_goes_on(clie
     reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=30, response_format={
         "type": "json_schema", "json_schema": {"name": "module", "schema": SCHEMA}})
     assert reply.choices[0].message.content.startswith('{"name":"')
+
+
+def test_the_sdks_pydantic_helpers_parse_what_comes_back(client):
+    """What instructor-style code calls: the SDK's parse() with a pydantic model (a strict JSON
+    schema), its streaming helper, and pydantic_function_tool (a strict tool)."""
+    from typing import Literal
+
+    import pydantic
+
+    class Owner(pydantic.BaseModel):
+        id: int = pydantic.Field(ge=1, le=999)
+        alias: str | None = pydantic.Field(max_length=6)
+
+    class Module(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        kind: Literal["io", "os", "re"]
+        owner: Owner
+
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+
+    parsed = client.chat.completions.parse(model=MODEL, messages=ASK, response_format=Module, temperature=0.9, seed=3)
+    assert isinstance(parsed.choices[0].message.parsed, Module)
+    with client.chat.completions.stream(model=MODEL, messages=ASK, response_format=Module, temperature=0.9, seed=3) as stream:
+        assert stream.get_final_completion().choices[0].message.parsed == parsed.choices[0].message.parsed
+    called = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
+                                           tool_choice="required", temperature=0.9, seed=1)
+    assert isinstance(called.choices[0].message.tool_calls[0].function.parsed_arguments, GetWeather)

@@ -35,6 +35,7 @@ from deepinfer.compiler.recipe import load_recipe
 from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.grammar import Grammars
+from deepinfer.runtime.grammar_text import checked, grammar_text
 from deepinfer.runtime.knobs import cache_dir
 from deepinfer.runtime.sampling import SamplingParams
 from deepinfer.runtime.tokenizer import load_tokenizer
@@ -86,8 +87,6 @@ class Llguidance:
         self.grammars = Grammars(tokenizer, VOCAB, 0)
 
     def compile(self, schema: dict):
-        from deepinfer.runtime.grammar_text import checked, grammar_text
-
         return self.grammars.add(checked(grammar_text("json", schema)))
 
     def walker(self, compiled):

@@ -19,7 +19,6 @@ end-of-thinking marker, "</think>"): tokens before it are free.
 The grammars themselves: grammar_text.py.
 """
 
-import json
 import threading
 from collections import OrderedDict
 
@@ -30,7 +29,6 @@ from .grammar_text import GrammarError, first_lines, grammar_text, llguidance, p
 from .tokenizer import HFTokenizer
 
 CACHED_GRAMMARS = 256  # distinct compiled grammars kept (least recently used goes first)
-
 
 
 class Grammars:
@@ -46,6 +44,7 @@ class Grammars:
         self.limits = parser_limits()
         self.cache: OrderedDict[str, object] = OrderedDict()  # grammar text -> compiled LLMatcher (never advanced)
         self.lock = threading.Lock()  # (the server compiles on worker threads)
+        self.everything = torch.ones(vocab_size, dtype=torch.bool)  # a row before the grammar started
 
     def compile(self, kind: str, spec) -> str:
         """The llguidance grammar of a request's constraint (grammar_text), its matcher built and
@@ -117,8 +116,7 @@ class Matcher:
         rows, consumed, tail = [], 0, self.tail
         for j in range(len(drafts) + 1):
             started = self.after in tail
-            rows.append(self.grammars.allowed(self.matcher.compute_bitmask()) if started
-                        else torch.ones(self.grammars.vocab_size, dtype=torch.bool))
+            rows.append(self.grammars.allowed(self.matcher.compute_bitmask()) if started else self.grammars.everything)
             if j == len(drafts):
                 break
             token = drafts[j]

@@ -157,7 +157,8 @@ class OpenAIServer:
         try:
             return await self.compiler.compile(constraint.kind, constraint.spec)
         except GrammarError as err:
-            raise bad(constraint.param, f"not a grammar this server can follow (llguidance: {err}).") from None
+            raise bad(constraint.param, f"not a grammar this server can follow (llguidance: {err}); fix or simplify "
+                                        "it.") from None
 
     async def models(self, request: HTTPRequest) -> Response:
         self._authorize(request)

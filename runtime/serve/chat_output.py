@@ -59,37 +59,33 @@ class ChatOutput:
 
     def finish(self, finish_reason: str) -> tuple[dict, str]:
         """Once the choice ended: the last delta (with any tool calls) and the finish_reason."""
-        reasoning, content = self.thinking.finish() if self.thinking else ("", "")
-        self.reasoning += reasoning
-        self.content += content
-        left, calls = self._calls()
-        if self.call is not None or self.tools is not None and self.tools.choice == "function":
-            return self._arguments(reasoning), _tool_finish(finish_reason) if calls else finish_reason
-        if not calls:
-            delta = _delta(reasoning, self.content[self.sent:])
-            self.sent = len(self.content)
-            return delta, finish_reason
-        delta = _delta(reasoning, (left or "")[self.sent:])
-        delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
-        return delta, _tool_finish(finish_reason)
+        reasoning, _, calls = self._end()
+        if self.tools is not None and self.tools.choice == "function":
+            delta = self._arguments(reasoning)
+        elif calls:  # (the text before the markup went out already)
+            delta = {**_delta(reasoning, ""), "tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+        else:
+            delta, self.sent = _delta(reasoning, self.content[self.sent:]), len(self.content)
+        return delta, _finish(finish_reason, calls)
 
     def message(self, finish_reason: str) -> tuple[dict, str]:
         """The whole message and the finish_reason, once the choice ended."""
-        reasoning, content = self.thinking.finish() if self.thinking else ("", "")
-        self.reasoning += reasoning
-        self.content += content
-        left, calls = self._calls()
+        _, left, calls = self._end()
         message = {"role": "assistant", "content": left if calls else self.content or (None if self.thinking else "")}
         if calls:
             message["tool_calls"] = calls
         if self.thinking:
             message["reasoning_content"] = self.reasoning or None
-        return message, _tool_finish(finish_reason) if calls else finish_reason
+        return message, _finish(finish_reason, calls)
 
-    def _calls(self) -> tuple[str | None, list[dict]]:
+    def _end(self) -> tuple[str, str | None, list[dict]]:
+        """The thinking's last piece, then the content left and the tool calls of the whole text."""
+        reasoning, content = self.thinking.finish() if self.thinking else ("", "")
+        self.reasoning += reasoning
+        self.content += content
         if self.tools is None:
-            return self.content, []
-        return self.tools.calls(self.content, self.markup)
+            return reasoning, self.content, []
+        return (reasoning, *self.tools.calls(self.content, self.markup))
 
     def _streamable(self) -> str:
         end = len(self.content)
@@ -112,5 +108,5 @@ def _delta(reasoning: str, content: str) -> dict:
     return delta
 
 
-def _tool_finish(finish_reason: str) -> str:
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _finish(finish_reason: str, calls: list) -> str:
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason

@@ -141,10 +141,9 @@ class Reply:
                                        "finish_reason": None}], usage()))
         try:
             async for i, text, ids, entries, finish in self.updates():
-                if text or finish or (ids and (self.generation.return_token_ids or self.wants_logprobs)):
-                    choice = self._choice(i, text, ids, entries, finish, whole=False)
-                    if choice.get("delta") != {} or finish or ids and (self.generation.return_token_ids or self.wants_logprobs):
-                        yield _event(self._chunk([choice], usage()))
+                choice = self._choice(i, text, ids, entries, finish, whole=False)  # (a chat delta may hold text back)
+                if choice.get("delta", text) or finish or (ids and (self.generation.return_token_ids or self.wants_logprobs)):
+                    yield _event(self._chunk([choice], usage()))
         except APIError as err:
             yield _event(err.body())
         else:

@@ -49,7 +49,7 @@ class ToolUse:
         return OutputConstraint("json", {**array, "maxItems": 1} if not self.parallel else array, "tools")
 
     def calls(self, text: str, markup: str | None) -> tuple[str | None, list[dict]]:
-        """(the content left, OpenAI's tool_calls) of an output; ([], text) when it holds none."""
+        """(the content left, OpenAI's tool_calls) of an output; (text, []) when it holds none."""
         if self.choice == "function":
             return (None, [call(self.name, text)]) if isinstance(_json(text), dict) else (text, [])
         if self.choice == "required":

@@ -22,16 +22,16 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from deepinfer.models import DTYPES, check_checkpoint
+from deepinfer.models import check_checkpoint
 from deepinfer.models.checkpoint import CheckpointError
 from deepinfer.runtime.errors import DeepinferError
 from deepinfer.runtime.manifest import SIGNATURE_FILE, Manifest, read_manifest, sha256_file, sign
 
-from .backends import backend_module
 from .bundle import output_lock
+from .build import weight_reader
 from .plan import recipe_layout, recipe_model
 from .recipe import Recipe, RecipeError, load_recipe
-from .weights import checkpoint_reader, file_bytes, transformed, write_rank_file
+from .weights import file_bytes, write_rank_file
 
 
 class WeightsStepError(DeepinferError):
@@ -56,15 +56,12 @@ def add_weights(bundle: Path, checkpoint: Path, ranks: list[int] | None = None, 
             raise WeightsStepError(f"{bundle / SIGNATURE_FILE}: the bundle is signed, and adding weights changes its manifest: "
                                    "give the deploy key with --sign-key to sign it again.")
         recipe = _recipe_for(manifest, checkpoint, bundle)
-        full = recipe_model(recipe, "meta")
-        _check_same_model(manifest, full.config.to_dict(), checkpoint, bundle)
+        _check_same_model(manifest, recipe_model(recipe, "meta").config.to_dict(), checkpoint, bundle)
+        full = recipe_model(recipe, "meta", quantize=False)
         check_checkpoint(checkpoint, full)  # every tensor there, its shape and dtype: before anything is written
         specs = [(w.name, w.shape, getattr(torch, w.dtype)) for w in manifest.weight_specs]
         layout = recipe_layout(recipe)  # (the recipe's parallel: the manifest's)
-        read_slice = checkpoint_reader(checkpoint, full, layout, DTYPES[recipe.dtype])
-        transform = getattr(backend_module(recipe.backend), "transform_weight", None)
-        if transform:
-            read_slice = transformed(read_slice, transform, full)
+        read_slice = weight_reader(recipe, full, specs, layout)
 
         todo = [r for r in ranks if not _whole(bundle, manifest, r)]
         (bundle / "weights").mkdir(exist_ok=True)

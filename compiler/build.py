@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from deepinfer.models import DTYPES
+from deepinfer.models import DTYPES, Layout
 from deepinfer.models.prompt_scoring import TOP as SCORE_TOP
 from deepinfer.runtime.errors import DeepinferError
 from deepinfer.runtime.manifest import Manifest, Region, WeightTensor
@@ -20,13 +20,13 @@ from .backends import backend_module
 from .bundle import check_output, output_lock, write_bundle
 from .cache import CompileCache
 from .footprint import check_fits
-from .plan import Plan, check_random_weights_fit, compute_note, plan, recipe_layout, recipe_model
+from .plan import Plan, check_random_weights_fit, compute_note, plan, recipe_layout, recipe_model, weights_note
 from .pool import LOCAL, Executor, Job, JobResult, run_jobs
 from .recipe import Recipe, RecipeError
 from .split import export_region
 from .tokenizer_files import tokenizer_files
 from .trace_cache import cached_plan
-from .weights import checkpoint_reader, model_reader, transformed, write_rank_files
+from .weights import checkpoint_reader, int_quantized, model_reader, transformed, write_rank_files
 
 
 class CompileFailed(DeepinferError):
@@ -53,6 +53,8 @@ class Summary:
     seconds: float
     bundle: Path
     compute: str | None = None  # the backend's note on what the weights compute in on this host, where it says
+    weights: str = ""  # what the weights are stored as and the bytes a decode token reads (plan.weights_note)
+    decode_bytes: int = 0  # weight bytes a batch-1 decode token reads on a rank
     plan_reused: bool = False  # the plan came from the trace cache: nothing was traced
     phases: dict[str, float] = field(default_factory=dict)  # seconds: plan, export, backend (summed over regions), write
     longest_region: tuple[float, str] = (0.0, "")  # (backend seconds, fingerprint) of the slowest region compiled
@@ -60,7 +62,7 @@ class Summary:
     def __str__(self) -> str:
         return (f"{self.programs} programs, {self.steps} region calls in schedules, {self.unique_regions} unique regions "
                 f"({self.cache_hits} cache hits, {self.compiled} compiled{', plan from the trace cache' if self.plan_reused else ''}), "
-                f"{self.seconds:.1f} s -> {self.bundle}"
+                f"{self.seconds:.1f} s -> {self.bundle}" + (f"; {self.weights}" if self.weights else "")
                 + (f"; {self.compute}" if self.compute else ""))
 
     def where_the_time_went(self) -> str:
@@ -129,15 +131,26 @@ def weight_writer(recipe: Recipe, the_plan: Plan):
     """write_weights(directory) for the bundle: per-rank files streamed from the checkpoint (only each
     rank's slices are read), or cut from the random model of a config + seed recipe."""
     layout, full = recipe_layout(recipe), the_plan.full_model
+    read_slice = weight_reader(recipe, full, the_plan.weights, layout)
+    return lambda directory: write_rank_files(directory, the_plan.weights, layout, full.config, read_slice)
+
+
+def weight_reader(recipe: Recipe, full, specs, layout):
+    """read_slice(name, rank) of the tensors `specs` names, from the checkpoint (against `full`, the
+    float model's meta tensors) or the random model; int8/int4 codes are made as they are read."""
     checkpoint = recipe.model["checkpoint"]
     if checkpoint:
         read_slice = checkpoint_reader(Path(checkpoint), full, layout, DTYPES[recipe.dtype])
+        whole = checkpoint_reader(Path(checkpoint), full, Layout(), DTYPES[recipe.dtype])
     else:
-        read_slice = model_reader(recipe_model(recipe, "cpu"), layout)
+        model = recipe_model(recipe, "cpu", quantize=False)
+        read_slice, whole = model_reader(model, layout), model_reader(model, Layout())
+    if recipe.model["quantize"]:
+        read_slice = int_quantized(read_slice, lambda name: whole(name, 0), specs, layout, recipe.model["quantize_group"])
     transform = getattr(backend_module(recipe.backend), "transform_weight", None)
     if transform:
         read_slice = transformed(read_slice, transform, full)
-    return lambda directory: write_rank_files(directory, the_plan.weights, layout, full.config, read_slice)
+    return read_slice
 
 
 def compile_recipe(recipe: Recipe, jobs: int = 2, cache_dir: Path | None = None, timeout: float = 900,
@@ -195,4 +208,5 @@ def _compile_recipe(recipe, jobs, cache_dir, timeout, progress, sign_key, execut
               "write": end - regions_done}
     longest = max(((s, fp) for fp, s in region_seconds.items()), default=(0.0, ""))
     return Summary(len(the_plan.programs), steps, len(the_plan.signatures), compiled.hits, len(the_plan.signatures) - compiled.hits,
-                   end - start, recipe.output, compute_note(recipe, the_plan), reused, phases, longest)
+                   end - start, recipe.output, compute_note(recipe, the_plan), weights_note(recipe, the_plan), the_plan.decode_bytes,
+                   reused, phases, longest)

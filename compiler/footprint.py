@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .plan import Plan, compute_note, plan, state_bytes
+from .plan import Plan, compute_note, plan, state_bytes, weights_note
 from .recipe import Recipe, RecipeError
 from .weights import file_bytes
 
@@ -53,7 +53,8 @@ def report(recipe: Recipe) -> dict:
     p = recipe.parallel
     return {
         "recipe": recipe.name, "arch": recipe.model["arch"], "dtype": recipe.dtype, "backend": recipe.backend,
-        "compute": compute_note(recipe, the_plan),
+        "compute": compute_note(recipe, the_plan), "weights": weights_note(recipe, the_plan),
+        "quantization": the_plan.model_config.get("quantization_config"), "decode_bytes_per_token": the_plan.decode_bytes,
         "parallel": {"world_size": p["world_size"], "tp": p["tp"], "ep": p["ep"], "cp": p["cp"]},
         "kv": dict(recipe.kv), "programs": programs, "unique_regions": len(the_plan.signatures),
         "region_calls": sum(row["region_calls"] for row in programs),
@@ -91,6 +92,7 @@ def format_report(plan_report: dict) -> str:
     lines = [f"plan for {r['recipe']}: {r['arch']}, {r['dtype']}, backend {r['backend']}, world_size {p['world_size']} "
              f"(tp {p['tp']}, ep {p['ep']}{cp}), kv.max_seqs {r['kv']['max_seqs']} x kv.max_len {r['kv']['max_len']}; "
              "nothing compiled",
+             f"{r['weights']}",
              *([f"compute: {r['compute']}"] if r["compute"] else []),
              f"{len(r['programs'])} programs, {r['region_calls']} region calls, {r['unique_regions']} unique regions",
              f"  {'program':<16} {'region calls':>12} {'collectives':>11} {'unique regions':>14}"]

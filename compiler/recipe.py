@@ -11,6 +11,8 @@ from pathlib import Path
 import yaml
 
 from deepinfer.models import QUANTIZED_WEIGHTS, context_parallel_supported, model_config, mtp_problem
+from deepinfer.models.int_weights import BITS as INT_BITS
+from deepinfer.models.int_weights import GROUPS as INT4_GROUPS
 from deepinfer.models.moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from deepinfer.runtime.errors import DeepinferError
 
@@ -32,7 +34,7 @@ class RecipeError(DeepinferError):
 @dataclass
 class Recipe:
     name: str
-    model: dict  # arch, checkpoint | config, seed, quantized_weights, expert_capacity, expert_overflow
+    model: dict  # arch, checkpoint | config, seed, quantized_weights, expert_capacity, expert_overflow, quantize(_group, _head)
     dtype: str
     parallel: dict  # world_size, tp, ep, hierarchical_allreduce, device_memory_gib (None: not checked)
     buckets: dict[str, list[int]]  # method -> sorted buckets
@@ -81,7 +83,7 @@ SCHEMA = {
     "name": (str, REQUIRED),
     "model": {"arch": (str, "deepseek_v3"), "checkpoint": (str, None), "config": (dict, None), "seed": (int, 0),
               "quantized_weights": (str, "keep"), "expert_capacity": (float, DEFAULT_CAPACITY),
-              "expert_overflow": (str, None)},
+              "expert_overflow": (str, None), "quantize": (str, None), "quantize_group": (int, 32), "quantize_head": (bool, True)},
     "dtype": (str, "float32"),
     "parallel": {"world_size": (int, 1), "tp": (int, 1), "ep": (int, 1), "cp": (int, 1), "hierarchical_allreduce": (int, 0),
                  "device_memory_gib": (float, None)},
@@ -149,6 +151,7 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         fail("model.expert_overflow", f"{model['expert_overflow']!r}: choose branch (a prompt chunk's overflow passes run "
              "when some expert needs them: torch.cond) or always (every pass runs: no control flow, for compilers that "
              "take none, like StableHLO/PJRT and neuronx-cc).")
+    _check_quantize(model, values["backend"]["name"] if backend is None else backend, fail)
     if values["dtype"] not in ("float32", "bfloat16"):
         fail("dtype", f"{values['dtype']!r} is not supported; use float32 or bfloat16.")
     buckets = {method: _sizes(values["methods"][method]["buckets"], f"methods.{method}.buckets", fail) for method in METHODS}
@@ -221,6 +224,21 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         speculative=speculative,
         prompt_logprobs=values["prompt_logprobs"],
     )
+
+
+def _check_quantize(model: dict, backend: str, fail):
+    """model.quantize: int8 / int4 weights (models/int_weights.py), for backends whose regions compute them."""
+    if model["quantize"] is None:
+        return
+    if model["quantize"] not in INT_BITS:
+        fail("model.quantize", f"{model['quantize']!r}: choose int8 (per output channel) or int4 (groups of "
+             "model.quantize_group inputs), or leave it out for the recipe's dtype.")
+    if model["quantize_group"] not in INT4_GROUPS:
+        fail("model.quantize_group", f"{model['quantize_group']}: int4 groups of {' / '.join(map(str, INT4_GROUPS))} inputs "
+             "share a scale (32 is llama.cpp's q4_0 block; 128 reads fewer scales).")
+    if backend in BACKENDS and not getattr(backend_module(backend), "INT_WEIGHTS", False):
+        fail("model.quantize", f"the {backend} backend cannot compile int8/int4 weights: their products are ATen's CPU "
+             "kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu). Use backend inductor or export, or drop model.quantize.")
 
 
 def _check_cp(parallel: dict, arch: str, buckets: dict, contexts: dict, max_len: int, fail):

@@ -58,7 +58,7 @@ def cached_plan(recipe: Recipe, cache: CompileCache, check_weights: bool = True)
     path = cache.root / "plans" / f"{trace_key(recipe)}.json"
     stored = _read(path)
     if stored is not None and all(cache.has(fp) for fp in stored.signatures):
-        stored.full_model = recipe_model(recipe, "meta")
+        stored.full_model = recipe_model(recipe, "meta", quantize=False)
         if recipe.model["checkpoint"] and check_weights:
             check_checkpoint(recipe.model["checkpoint"], stored.full_model)
         return stored, True
@@ -73,7 +73,7 @@ def _body_of(p: Plan) -> dict:
             "backend_options": p.backend_options, "region_paths": p.region_paths,
             "weights": [[name, shape, str(dtype).removeprefix("torch.")] for name, shape, dtype in p.weights],
             "kv": asdict(p.kv), "state": [[asdict(t) for t in layer] for layer in p.state], "model_config": p.model_config,
-            "largest_activation": list(p.largest_activation)}
+            "decode_bytes": p.decode_bytes, "largest_activation": list(p.largest_activation)}
 
 
 def _plan_of(body: dict) -> Plan:
@@ -82,7 +82,7 @@ def _plan_of(body: dict) -> Plan:
                 toolchain=body["toolchain"], backend_options=body["backend_options"], region_paths=body["region_paths"],
                 weights=[(name, shape, getattr(torch, dtype)) for name, shape, dtype in body["weights"]],
                 kv=typed_value(body["kv"], KVSpec, "plan.kv"), state=typed_value(body["state"], list[list[StateTensor]], "plan.state"),
-                model_config=body["model_config"], largest_activation=tuple(body["largest_activation"]), full_model=None)
+                model_config=body["model_config"], decode_bytes=body["decode_bytes"], largest_activation=tuple(body["largest_activation"]), full_model=None)
 
 
 def _read(path: Path) -> Plan | None:

@@ -14,6 +14,8 @@ import torch
 
 from deepinfer.models import read_weight, stored_dtype
 from deepinfer.models.checkpoint import TORCH_DTYPES, SafetensorsDir
+from deepinfer.models.int_weights import SCALE as INT_SCALE
+from deepinfer.models.int_weights import quantized, source_name
 from deepinfer.models.parallel import Layout, rank_buffers, shard
 from deepinfer.models.quantization import SCALE_SUFFIX
 
@@ -24,24 +26,39 @@ SAFETENSORS_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 Specs = list[tuple[str, list[int], torch.dtype]]  # (name, shape, dtype) of each tensor, in file order
 
 
+ALIGN = 64  # bytes: every tensor starts at a multiple of it in the file (and so in the runtime's buffer)
+PADDING = "__padding."  # names of the filler tensors that align the next one
+
+
 def write_safetensors(path: Path, specs: Specs, tensor_of, on_written=None) -> str:
     """A safetensors file whose header is computed from `specs` up front; `tensor_of(name)` is
     then called once per tensor, in order, and its bytes written straight to disk (and hashed as
-    written; `on_written(n)` is told each tensor's bytes). Returns the file's sha256."""
-    header, offset = {}, 0
+    written; `on_written(n)` is told each tensor's bytes). Returns the file's sha256.
+
+    Each tensor starts 64-byte aligned (the runtime views them in place, and ATen's int8 kernel
+    crashes on a weight that is not 16-byte aligned): the header is padded to it, and a filler
+    tensor `__padding.<i>` of zero bytes precedes a tensor that would not be (safetensors allows
+    no holes between tensors)."""
+    header, offset, laid_out = {}, 0, []
     for name, shape, dtype in specs:
+        if offset % ALIGN:
+            filler = (f"{PADDING}{len(laid_out)}", [ALIGN - offset % ALIGN], torch.uint8)
+            header[filler[0]] = {"dtype": "U8", "shape": filler[1], "data_offsets": [offset, offset + filler[1][0]]}
+            offset += filler[1][0]
+            laid_out.append(filler)
         size = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
+        laid_out.append((name, shape, dtype))
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * ((-len(blob)) % 8)
+    blob += b" " * ((-8 - len(blob)) % ALIGN)
     digest = hashlib.sha256()
     with open(path, "wb") as f:
         for chunk in (struct.pack("<Q", len(blob)), blob):
             f.write(chunk)
             digest.update(chunk)
-        for name, shape, dtype in specs:
-            tensor = tensor_of(name)
+        for name, shape, dtype in laid_out:
+            tensor = torch.zeros(shape, dtype=dtype) if name.startswith(PADDING) else tensor_of(name)
             if list(tensor.shape) != list(shape) or tensor.dtype != dtype:
                 raise ValueError(f"{path}: {name} is {list(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}")
             data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -109,3 +126,33 @@ def transformed(read_slice, transform, full):
         return transform(name, read_slice(name, rank), scales_for)
 
     return read
+
+
+def int_quantized(read_slice, read_whole, specs: Specs, layout: Layout, group: int):
+    """model.quantize's codes and scales (models/int_weights.py) made from each rank's float slice
+    as they are written; other tensors pass through. A weight cut by columns (row-parallel) and
+    quantized per row is read whole (`read_whole(name)`), so its scales are the whole rows': every
+    rank's codes are the one-rank bundle's, cut. Codes and their scales come from one quantization
+    (the file order keeps them adjacent)."""
+    dtypes = {name: dtype for name, _, dtype in specs}
+    last = {}
+
+    def read(name, rank):
+        origin = source_name(name)
+        if origin + INT_SCALE not in dtypes:
+            return read_slice(name, rank)
+        if last.get("key") != (origin, rank):
+            split = layout.split(origin)
+            if dtypes[origin] == torch.int8 and split and split[0] == len(_shape(specs, origin)) - 1:
+                whole = quantized(origin, read_whole(origin), torch.int8, group)
+                made = {origin: shard(origin, whole[origin], layout, rank), origin + INT_SCALE: whole[origin + INT_SCALE]}
+            else:
+                made = quantized(origin, read_slice(origin, rank), dtypes[origin], group)
+            last.update(key=(origin, rank), made=made)
+        return last["made"][name]
+
+    return read
+
+
+def _shape(specs: Specs, name: str) -> list[int]:
+    return next(shape for n, shape, _ in specs if n == name)

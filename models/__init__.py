@@ -27,6 +27,7 @@ from .deepseek_v4 import DeepseekV4
 from .deepseek_v4_config import TINY_V4_CONFIG, DeepseekV4Config
 from .moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from .parallel import Layout, LayoutError
+from .int_weights import BITS, GROUPS, IntWeights, packed_for, quantized, source_name
 from .quantization import BLOCK, FP4, FP4_GROUP, FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -84,6 +85,9 @@ def build_model(
     expert_capacity: float = DEFAULT_CAPACITY,
     expert_overflow: str = "branch",
     draft_tokens: int = 0,
+    quantize: str | None = None,
+    quantize_group: int = 32,
+    quantize_head: bool = True,
 ) -> DeepseekV3 | DeepseekV4:
     """Exactly one of `checkpoint` (an HF directory) or `config` (HF field names, random weights).
 
@@ -91,7 +95,10 @@ def build_model(
     "keep": models/quantization.py) or is dequantized to `dtype` as it is read ("dequantize").
     `expert_capacity`, `expert_overflow`: the grouped routed experts' capacity and overflow form
     (models/moe.py). `draft_tokens`: speculative decoding's drafts per step; above 0 the
-    checkpoint's multi-token prediction modules (the drafter) are built and read.
+    checkpoint's multi-token prediction modules (the drafter) are built and read. `quantize`
+    "int8" / "int4" (groups of `quantize_group`; the LM head unless `quantize_head` is off) holds
+    the weights as integer codes (models/int_weights.py), quantized from the float weights read
+    (an fp8 checkpoint's dequantized).
 
     device="meta" or "fake" builds shapes only: nothing is allocated and no weights are read.
     "fake" gives FakeTensors on the CPU (from one FakeTensorMode, `model.embed.weight.fake_mode`),
@@ -103,7 +110,7 @@ def build_model(
     cfg = model_config(arch, checkpoint, config)
     if quantized_weights not in QUANTIZED_WEIGHTS:
         raise ConfigError(f"model.quantized_weights={quantized_weights!r}: choose one of {list(QUANTIZED_WEIGHTS)}.")
-    if quantized_weights == "dequantize":
+    if quantized_weights == "dequantize" or quantize:
         cfg = replace(cfg, quantization=None)
     if expert_overflow not in OVERFLOW_FORMS:
         raise ConfigError(f"model.expert_overflow={expert_overflow!r}: choose one of {list(OVERFLOW_FORMS)}.")
@@ -115,6 +122,24 @@ def build_model(
         cfg = replace(cfg, draft_tokens=draft_tokens)
     if layout.world_size > 1 and device == "cpu":
         raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
+    if quantize:
+        spec = int_weights_spec(quantize, quantize_group, quantize_head)
+        if device == "cpu":
+            return _quantized_copy(arch, replace(cfg, quantization=spec), model_from_config(arch, cfg, checkpoint, seed, dtype))
+        cfg = replace(cfg, quantization=spec)
+    return model_from_config(arch, cfg, checkpoint, seed, dtype, device, layout)
+
+
+def int_weights_spec(quantize: str, group: int, head: bool) -> IntWeights:
+    if quantize not in BITS:
+        raise ConfigError(f"model.quantize={quantize!r}: choose one of {list(BITS)} (or leave it out for the recipe's dtype).")
+    if group not in GROUPS:
+        raise ConfigError(f"model.quantize_group={group}: int4 groups of {' / '.join(map(str, GROUPS))} inputs share a scale.")
+    return IntWeights(BITS[quantize], group, head, packed_for() if BITS[quantize] == 4 else None)
+
+
+def model_from_config(arch: str, cfg, checkpoint, seed: int, dtype: str, device: str = "cpu", layout: Layout = Layout()):
+    """The model of a validated config: weights read, random (no checkpoint), or only shapes."""
     with torch.device("meta"):
         model = arch_of(arch).model(cfg, layout)
     if device == "meta":
@@ -132,6 +157,26 @@ def build_model(
         init_buffers(model)
     if device == "cpu" and weights is None:
         ARCHS[arch].init_random(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def _quantized_copy(arch: str, cfg, source):
+    """The model of `cfg` (int-quantized) with its weights quantized from `source` (float, same names)."""
+    with torch.device("meta"):
+        model = arch_of(arch).model(cfg)
+    made = {}
+    for name, param in list(model.named_parameters()):
+        origin = source_name(name)
+        if origin != name or param.dtype in (torch.int8, torch.uint8):
+            if origin not in made:
+                codes_dtype = model.get_parameter(origin).dtype
+                made.update(quantized(origin, source.get_parameter(origin), codes_dtype, cfg.quantization.group))
+            tensor = made[name]
+        else:
+            tensor = source.get_parameter(name)
+        set_parameter(model, name, tensor)
+    model.tie_weights()
+    init_buffers(model)
     return model.eval().requires_grad_(False)
 
 

@@ -34,7 +34,7 @@ from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
 from .moe import routed_experts
 from .parallel import Layout, moe_buffers
 from .prompt_scoring import PromptScorer
-from .quantization import Fp8Blocks, expert_weights, linear, linear_weight, stacked_experts
+from .quantization import Quantization, absorbed_linear, expert_weights, head_linear, linear, linear_weight, stacked_experts
 from .speculative import chain_drafts
 from .state import StateSpec, allocate
 
@@ -136,7 +136,7 @@ class MLAttention(nn.Module):
             self.q_b_proj = linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, q)
         self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_cache_dim, q, c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q)
+        self.kv_b_proj = absorbed_linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q)
         self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, q, c.attention_bias)
         self.layout = layout
         self.init_buffers()
@@ -223,7 +223,7 @@ class MLAttention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: the dense layers' MLP and the MoE's shared experts."""
 
-    def __init__(self, dim: int, hidden: int, reduce_group: str | None = None, quantization: Fp8Blocks | None = None):
+    def __init__(self, dim: int, hidden: int, reduce_group: str | None = None, quantization: Quantization = None):
         super().__init__()
         self.gate_proj = linear(dim, hidden, quantization)
         self.up_proj = linear(dim, hidden, quantization)
@@ -355,7 +355,7 @@ class LMHead(nn.Module):
         super().__init__()
         self.tp = tp
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = linear(config.hidden_size, config.vocab_size // tp)
+        self.lm_head = head_linear(config.hidden_size, config.vocab_size // tp, config.quantization)
 
     def forward(self, h, pending, last_index=None):
         """h + pending [T, D] -> logits [T, V] float32, or [1, V] for row `last_index` [1] only (prefill)."""
@@ -473,7 +473,7 @@ class DeepseekV3(nn.Module):
 
     def tie_weights(self):
         # A vocabulary-parallel head holds a slice of the embedding, so it is only tied unsharded.
-        if self.config.tie_word_embeddings and self.layout.tp == 1:
+        if self.config.tie_word_embeddings and self.layout.tp == 1 and isinstance(self.head.lm_head, nn.Linear):
             self.head.lm_head.weight = self.embed.weight
 
     @classmethod

@@ -51,7 +51,7 @@ from .deepseek_v4_config import CSA, SLIDING, DeepseekV4Config, layer_kind
 from .moe import routed_experts
 from .parallel import Layout, moe_buffers
 from .prompt_scoring import PromptScorer
-from .quantization import expert_weights, linear, linear_weight, stacked_experts
+from .quantization import absorbed_linear, expert_weights, linear, linear_weight, stacked_experts
 from .speculative import blocks, chain_drafts
 from .state import StateSpec, allocate
 
@@ -237,7 +237,7 @@ class Attention(nn.Module):
         self.wq_b = linear(c.q_lora_rank, self.n_heads * c.head_dim, q)
         self.wkv = linear(c.hidden_size, c.head_dim, q)
         self.norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.wo_a = linear(c.num_attention_heads * c.head_dim // c.o_groups, self.groups * c.o_lora_rank, q)
+        self.wo_a = absorbed_linear(c.num_attention_heads * c.head_dim // c.o_groups, self.groups * c.o_lora_rank, q)
         self.wo_b = linear(self.groups * c.o_lora_rank, c.hidden_size, q)
         self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         if self.rate:

@@ -44,6 +44,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .int_weights import Halves, Int8Experts
+
 # Places per expert in the first grouped pass, in multiples of an even share; an expert routed
 # more takes further passes (bench/moe_bench.py counts them).
 DEFAULT_CAPACITY = 2.0
@@ -108,17 +110,32 @@ def grouped_passes(C: int, N: int) -> list[tuple[int, int]]:
 
 
 def gathered(x, weights, local_ids, gate_up, down, activation):
-    gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up(local_ids)).chunk(2, dim=-1)  # [N, k, I] each
-    y = torch.einsum("nki,nkdi->nkd", activation(gate, up), down(local_ids))  # [N, k, D]
+    gate, up = product("nd,nkfd->nkf", x, gate_up(local_ids)).chunk(2, dim=-1)  # [N, k, I] each
+    y = product("nki,nkdi->nkd", activation(gate, up), down(local_ids))  # [N, k, D]
     return (y * weights[..., None]).sum(dim=1)
 
 
 def dense(x, weights, local_ids, w_gate_up, w_down, activation):
     combine = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=x.dtype, device=x.device)
     combine = combine.scatter_add(1, local_ids, weights)  # [N, E], zero where not routed
-    gate, up = torch.einsum("nd,efd->nef", x, w_gate_up).chunk(2, dim=-1)  # [N, E, I]
-    y = torch.einsum("nei,edi->ned", activation(gate, up), w_down)  # [N, E, D]
+    gate, up = product("nd,efd->nef", x, w_gate_up).chunk(2, dim=-1)  # [N, E, I]
+    y = product("nei,edi->ned", activation(gate, up), w_down)  # [N, E, D]
     return torch.einsum("ned,ne->nd", y, combine)
+
+
+def product(equation: str, x, w):
+    """torch.einsum(equation, x, w) over x's last dim, with the experts' weights w as
+    models/int_weights.py gives them: int4 experts' Halves (the weights of the first and second
+    half of the input columns), each times x's half; Int8Experts, expert by expert through ATen's
+    int8 kernel (the equation's `e`: the expert axis of x, if it has one, and of the output)."""
+    if isinstance(w, Halves):
+        half = x.shape[-1] // 2
+        return torch.einsum(equation, x[..., :half], w.low) + torch.einsum(equation, x[..., half:], w.high)
+    if isinstance(w, Int8Experts):
+        x_axes, out_axes = equation.split(",")[0], equation.split("->")[1]
+        per_expert = [w.matmul(x.select(x_axes.index("e"), e) if "e" in x_axes else x, e) for e in range(w.shape[0])]
+        return torch.stack(per_expert, dim=out_axes.index("e"))
+    return torch.einsum(equation, x, w)
 
 
 def expert_places(local_ids, owned, E: int):
@@ -141,7 +158,7 @@ def grouped(x, weights, expert, place, start: int, size: int, w_gate_up, w_down,
     rows = torch.full((E * size + 1,), N, dtype=torch.int64, device=x.device).scatter(0, slot, token)[: E * size]
     padded = torch.cat([x, x.new_zeros(1, D)])  # row N: the zero row empty places read
     xs = padded.index_select(0, rows).view(E, size, D)
-    gate, up = torch.einsum("ecd,efd->ecf", xs, w_gate_up).chunk(2, dim=-1)  # [E, size, I] each
-    y = torch.einsum("eci,edi->ecd", activation(gate, up), w_down).flatten(0, 1)  # [E*size, D]
+    gate, up = product("ecd,efd->ecf", xs, w_gate_up).chunk(2, dim=-1)  # [E, size, I] each
+    y = product("eci,edi->ecd", activation(gate, up), w_down).flatten(0, 1)  # [E*size, D]
     y = torch.cat([y, y.new_zeros(1, D)])
     return (y.index_select(0, slot).view(N, k, D) * weights[..., None]).sum(dim=1)

@@ -124,7 +124,7 @@ class Layout:
             if n % parts:
                 raise LayoutError(f"parallel: {name}={parts} does not divide {what}={n}.")
         quantization = getattr(c, "quantization", None)
-        if quantization and tp > 1:
+        if hasattr(quantization, "block") and tp > 1:  # (fp8 blocks; int4 groups that a split cuts fall back to int8)
             for what, columns in c.row_parallel_inputs().items():
                 if columns % (tp * quantization.block):
                     raise LayoutError(f"parallel: tp={tp} splits {what}={columns} input columns into {columns // tp} a rank, "

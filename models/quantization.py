@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import int_weights
+from .int_weights import IntLinear, IntWeights
+
 FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # the checkpoint's name for a weight's block scales (multiplied in)
 
@@ -145,11 +148,29 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.dequantized(x.dtype))
 
 
-def linear(dim_in: int, dim_out: int, quantization: Fp8Blocks | None = None, bias: bool = False) -> nn.Module:
-    """nn.Linear, or an Fp8Linear where the checkpoint's weights are fp8 and kept so."""
-    if quantization:
+Quantization = Fp8Blocks | IntWeights | None  # the checkpoint's fp8, or the recipe's model.quantize (models/int_weights.py)
+
+
+def linear(dim_in: int, dim_out: int, quantization: Quantization = None, bias: bool = False) -> nn.Module:
+    """nn.Linear, an Fp8Linear where the checkpoint's weights are fp8 and kept so, or an IntLinear
+    where the recipe quantizes them (bias-free layers only: a biased one stays float)."""
+    if isinstance(quantization, IntWeights) and not bias:
+        return IntLinear(dim_in, dim_out, quantization)
+    if isinstance(quantization, Fp8Blocks):
         return Fp8Linear(dim_in, dim_out, quantization)
     return nn.Linear(dim_in, dim_out, bias=bias)
+
+
+def absorbed_linear(dim_in: int, dim_out: int, quantization: Quantization = None, bias: bool = False) -> nn.Module:
+    """A linear whose weight the model reads as a matrix (linear_weight: absorbed attention
+    projections): fp8 as the checkpoint keeps it, never int-quantized (int4's packing is the kernel's)."""
+    return linear(dim_in, dim_out, quantization if isinstance(quantization, Fp8Blocks) else None, bias)
+
+
+def head_linear(dim_in: int, dim_out: int, quantization: Quantization = None) -> nn.Module:
+    """The LM head: int-quantized when the recipe says so (model.quantize_head), else float (the
+    release's head is bf16)."""
+    return linear(dim_in, dim_out, quantization if isinstance(quantization, IntWeights) and quantization.head else None)
 
 
 def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -158,15 +179,19 @@ def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 def is_quantized_param(tensor: torch.Tensor, name: str) -> bool:
-    """A parameter stored as the checkpoint holds it (fp8 or fp4 bytes, or their scales),
-    whatever the recipe's dtype."""
-    return tensor.dtype in (FP8, FP4) or name.endswith(SCALE_SUFFIX)
+    """A parameter stored as the checkpoint holds it (fp8 or fp4 bytes, or their scales), or as
+    the recipe's quantization made it, whatever the recipe's dtype."""
+    return tensor.dtype in (FP8, FP4) or name.endswith(SCALE_SUFFIX) or int_weights.is_int_param(tensor, name)
 
 
-def stacked_experts(module: nn.Module, name: str, experts: int, rows: int, columns: int, quantization: Fp8Blocks | None):
+def stacked_experts(module: nn.Module, name: str, experts: int, rows: int, columns: int, quantization: Quantization):
     """Stacked expert weights `name` [E, rows, columns], in the model's dtype, or kept quantized:
     fp8 with `name_scale_inv` [E, rows, ceil(columns/block)] (row-expanded like Fp8Linear's), or
-    fp4 [E, rows, columns/2] with e8m0 `name_scale_inv` [E, rows, columns/32]."""
+    fp4 [E, rows, columns/2] with e8m0 `name_scale_inv` [E, rows, columns/32]; or int8 / int4
+    codes (models/int_weights.py)."""
+    if isinstance(quantization, IntWeights):
+        int_weights.register_stacked(module, name, experts, rows, columns, quantization)
+        return
     if quantization is None:
         module.register_parameter(name, nn.Parameter(torch.empty(experts, rows, columns)))
         return
@@ -180,16 +205,22 @@ def stacked_experts(module: nn.Module, name: str, experts: int, rows: int, colum
     module.register_parameter(name + SCALE_SUFFIX, nn.Parameter(scales, requires_grad=False))
 
 
-def expert_weights(module: nn.Module, name: str, dtype: torch.dtype, quantization: Fp8Blocks | None):
+def expert_weights(module: nn.Module, name: str, dtype: torch.dtype, quantization: Quantization):
     """pick(ids) -> the stacked weights `name` of experts `ids` (any index shape; None: all of
     them) in `dtype`, dequantizing only the experts picked."""
     weight = getattr(module, name)
-    scales = getattr(module, name + SCALE_SUFFIX) if quantization else None
+    int_codes = isinstance(quantization, IntWeights)
+    scales = getattr(module, name + (int_weights.SCALE if int_codes else SCALE_SUFFIX)) if quantization else None
 
     def pick(ids: torch.Tensor | None = None) -> torch.Tensor:
         w = weight if ids is None else weight[ids]
         if scales is None:
             return w
-        return dequantize(w, scales if ids is None else scales[ids], dtype, quantization.block)
+        picked = scales if ids is None else scales[ids]
+        if int_codes and ids is None and w.dtype == torch.int8:
+            return int_weights.Int8Experts(w, picked)
+        if int_codes:
+            return int_weights.stacked_values(w, picked, dtype)
+        return dequantize(w, picked, dtype, quantization.block)
 
     return pick

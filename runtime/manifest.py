@@ -37,7 +37,7 @@ SCHEMA_VERSION = 1
 SIGNATURE_FILE = "manifest.json.hmac"  # HMAC-SHA256 of manifest.json under a deploy key (optional)
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_KEY_BYTES = 4096
-TENSOR_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool", "float8_e4m3fn", "uint8")
+TENSOR_DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool", "float8_e4m3fn", "uint8", "int8")
 
 
 @dataclass

@@ -1,0 +1,39 @@
+"""The inductor backend's int8 matvec pass: a one-row product with int8 weights becomes a fused
+reduction over the codes (ATen's kernel stays for more rows), with ATen's result; int8 and int4
+routed experts are decoded inside the gathered experts' reduction."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.models.int_weights import IntLinear, IntWeights, int8_codes, stacked_tensors, stacked_values
+from deepinfer.models.moe import gathered
+from tests.compiler.test_gathered_matvec import compiled_code
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_one_row_reads_int8_codes_in_a_fused_reduction(rows):
+    torch.manual_seed(0)
+    linear = IntLinear(96, 80, IntWeights(8))
+    linear.weight.data, linear.weight_qscale.data = int8_codes(torch.randn(80, 96))
+    x = torch.randn(rows, 96)
+    got, code = compiled_code(linear, x)
+    torch.testing.assert_close(got, linear(x), atol=2e-2, rtol=1e-2)  # (bf16 activations: ATen's, or the reduction's)
+    assert ("extern_kernels._weight_int8pack_mm(" in code) == (rows > 1), code
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int_experts_are_decoded_inside_the_reduction(bits):
+    torch.manual_seed(0)
+    E, k, D, I = 16, 4, 64, 64  # (int4 experts: each half of the columns whole groups of 32)
+    gate_up, down = stacked_tensors(torch.randn(E, 2 * I, D), bits, 32), stacked_tensors(torch.randn(E, D, I), bits, 32)
+
+    def routed(x, weights, ids, codes_gate_up, scales_gate_up, codes_down, scales_down):
+        return gathered(x, weights, ids, lambda ids: stacked_values(codes_gate_up[ids], scales_gate_up[ids], x.dtype),
+                        lambda ids: stacked_values(codes_down[ids], scales_down[ids], x.dtype),
+                        lambda gate, up: F.silu(gate) * up)
+
+    args = (torch.randn(1, D), torch.rand(1, k), torch.randperm(E)[:k][None], *gate_up, *down)
+    got, code = compiled_code(routed, *args)
+    torch.testing.assert_close(got, routed(*args), atol=1e-3, rtol=1e-4)
+    assert "extern_kernels.bmm(" not in code and f"(1, {k}, {2 * I}, {D})" not in code, code

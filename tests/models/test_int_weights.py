@@ -1,0 +1,133 @@
+"""model.quantize: int8 and int4 weights (models/int_weights.py): what they cost the trained tiny
+DeepSeek-V3 in held-out loss and greedy tokens; bundles that generate what the eager quantized
+model does, with MTP speculation and context buckets, at world size 2 as at 1; prefix caching as
+exact as with float weights; the compile and plan saying what is stored and read; and the refusals."""
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deepinfer.compiler.build import compile_recipe
+from deepinfer.compiler.recipe import RecipeError, load_recipe
+from deepinfer.models import build_model
+from deepinfer.runtime.errors import BundleError
+from deepinfer.runtime.executor import BundleExecutor
+from tests.conftest import ROOT, write_recipe
+from tests.models.test_fp8_checkpoint import run_tokens
+
+CHECKPOINT = ROOT / "checkpoints" / "tiny-v3-code"
+spec = importlib.util.spec_from_file_location("quantization_eval", ROOT / "tools" / "quantization_eval.py")
+quantization_eval = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(quantization_eval)
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    return quantization_eval.heldout_stream(CHECKPOINT)
+
+
+def test_int8_and_int4_keep_the_trained_models_loss_and_int8_its_greedy_tokens(heldout):
+    """The issue's bars: int8 within 0.01 nats of float32's held-out loss, int4 within 0.05; int8
+    continues most code prompts exactly as float32 does."""
+    prompts = quantization_eval.prompts(heldout, 16, 48)
+    results = {}
+    for name, options in {"float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}.items():
+        model = build_model(checkpoint=CHECKPOINT, **options)
+        results[name] = (quantization_eval.heldout_loss(model, heldout, spans=8, length=256),
+                         [quantization_eval.greedy(model, p, 12) for p in prompts])
+    (f32_loss, f32_tokens), (int8_loss, int8_tokens), (int4_loss, int4_tokens) = results.values()
+    assert abs(int8_loss - f32_loss) < 0.01 and abs(int4_loss - f32_loss) < 0.05, results
+    assert sum(a == b for a, b in zip(int8_tokens, f32_tokens)) >= 12, (int8_tokens, f32_tokens)
+    assert int4_tokens != f32_tokens  # (4 bits change something: the comparison is not vacuous)
+
+
+def test_quantized_weights_are_codes_and_the_head_is_optional():
+    model = build_model(checkpoint=CHECKPOINT, quantize="int4", quantize_group=64, quantize_head=False)
+    layer = model.layers[1]
+    assert layer.self_attn.o_proj.weight.dtype == torch.uint8 and layer.self_attn.o_proj.bits == 4  # 128 inputs
+    assert layer.self_attn.q_b_proj.weight.dtype == torch.int8  # 96 inputs, not groups of 64: int8 instead
+    assert layer.mlp.experts_down.dtype == torch.uint8 and layer.mlp.experts_down_qscale.shape == (8, 192, 2, 2)
+    # 192 columns: not two whole groups of 64 in each half, int8 instead
+    assert layer.mlp.experts_gate_up.dtype == torch.int8 and layer.mlp.experts_gate_up_qscale.shape == (8, 256)
+    assert model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.float32  # read as a matrix: kept
+    assert model.embed.weight.dtype == torch.float32 and model.head.lm_head.weight.dtype == torch.float32
+
+
+PROMPTS = [[5, 17, 42, 99, 7, 3, 9, 11], [77, 78], list(range(10, 70))]
+
+
+@pytest.fixture(scope="module")
+def code_bundles(tmp_path_factory, cache_dir):
+    """The trained tiny V3 with int8 and with int4 weights through the export backend, its MTP
+    module drafting 3 tokens a step, decode in a context bucket and the whole pool: name -> summary."""
+    directory = tmp_path_factory.mktemp("int-weights")
+    summaries = {}
+    for quantize in ("int8", "int4"):
+        recipe = write_recipe(directory, f"code-{quantize}", model={"checkpoint": str(CHECKPOINT), "config": None, "quantize": quantize},
+                              methods={"decode": {"buckets": [1], "context": [128]}, "prefill": {"buckets": [32]}},
+                              kv={"max_seqs": 4, "max_len": 256}, backend={"name": "export"},
+                              speculative={"method": "mtp", "num_tokens": 3})
+        summaries[quantize] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False)
+    return summaries
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_bundle_generates_the_eager_quantized_models_tokens(code_bundles, quantize):
+    """With speculative decoding (the drafter quantized too) and context buckets: greedy tokens
+    equal the eager model's, one token a step."""
+    summary = code_bundles[quantize]
+    what = "int8 per output channel" if quantize == "int8" else "int4 in groups of 32"
+    assert f"weights {what}, LM head quantized:" in str(summary) and "read per decode token" in str(summary)
+    manifest = json.loads((summary.bundle / "manifest.json").read_text())
+    assert manifest["model_config"]["quantization_config"]["weights"] == quantize
+    with safe_open(summary.bundle / "weights" / "rank-0.safetensors", "pt") as f:
+        assert f.get_tensor("layers.1.mlp.experts_down").dtype == (torch.int8 if quantize == "int8" else torch.uint8)
+    model = build_model(checkpoint=CHECKPOINT, quantize=quantize)
+    assert run_tokens(summary.bundle, PROMPTS) == [quantization_eval.greedy(model, torch.tensor(p), 8) for p in PROMPTS]
+
+
+def test_int4_packed_for_another_cpu_kernel_is_refused(code_bundles, tmp_path):
+    from tests.runtime.test_bundle_trust import edit_manifest
+
+    bundle = shutil.copytree(code_bundles["int4"].bundle, tmp_path / "bundle")
+    here = torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if here != "AVX2" else "AVX512"
+    edit_manifest(bundle, lambda body: body["model_config"]["quantization_config"].update(packed_for=other))
+    with pytest.raises(BundleError, match=rf"int4 weights are packed for ATen's {other} kernel .* picks its {here} kernel"):
+        BundleExecutor(bundle)
+
+
+def test_world_size_2_generates_what_world_size_1_does(tmp_path, cache_dir):
+    """tp 2 (o_proj and down_proj cut by columns: their int8 scales are the whole rows') and ep 2."""
+    bundles = {}
+    for world in (1, 2):
+        recipe = write_recipe(tmp_path, f"int8-ws{world}", model={"quantize": "int8"}, backend={"name": "export"},
+                              parallel={"world_size": world, "tp": world, "ep": world},
+                              methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}})
+        bundles[world] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
+    assert run_tokens(bundles[2], PROMPTS) == run_tokens(bundles[1], PROMPTS)
+
+
+@pytest.mark.parametrize("model, backend, message", [
+    ({"quantize": "int3"}, "export", r"model.quantize: 'int3': choose int8 \(per output channel\) or int4"),
+    ({"quantize": "int4", "quantize_group": 48}, "export", r"model.quantize_group: 48: int4 groups of 32 / 64 / 128 / 256"),
+    ({"quantize": "int8"}, "pjrt", r"model.quantize: the pjrt backend cannot compile int8/int4 weights"),
+])
+def test_a_quantization_the_recipe_cannot_have_is_refused_naming_the_key(tmp_path, model, backend, message):
+    recipe = write_recipe(tmp_path, "bad", model=model, backend={"name": backend, "options": {}})
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(recipe)
+
+
+def test_prefix_caching_with_int8_weights_gives_the_tokens_it_gives_without():
+    from deepinfer.compiler.eager import eager_engine
+    from tests.runtime.test_prefix_cache import conversation
+    from tests.runtime.test_speculative import CONFIGS
+
+    model = build_model(config=CONFIGS["deepseek_v3"], expert_overflow="always", quantize="int8")
+    on = eager_engine(model)
+    assert conversation(on) == conversation(eager_engine(model, prefix_caching=False)) and on.prefix_hits == 4

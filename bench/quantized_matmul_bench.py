@@ -3,10 +3,12 @@ bf16 weights and against the memory-bandwidth floor, eager and through AOTInduct
 `model.quantize: int8 | int4` would build on, measured before building it.
 
     .venv/bin/python bench/quantized_matmul_bench.py          # ~30 s (two AOTInductor compiles)
+    .venv/bin/python bench/quantized_matmul_bench.py --rows 32 128 512    # prompt chunks' products
 
 For each weight shape of the ~100M DeepSeek-V3 of the benches (BASE_100M: its LM head 32000 x 768,
-a dense MLP's 2048 x 768 and 768 x 2048), one activation row and four: f32 and bf16 weights
-(`x @ w.T`), `_weight_int8pack_mm` (per-output-channel symmetric int8), and
+a dense MLP's 2048 x 768 and 768 x 2048), one activation row and four (`--rows`): f32 and bf16 weights
+(`x @ w.T`), `_weight_int8pack_mm` (per-output-channel symmetric int8) and the int8 weight decoded
+to bf16 for a bf16 GEMM, and
 `_weight_int4pack_mm_for_cpu` (group-wise int4, groups of 32 and 128), the quantized kernels with
 bf16 activations (with f32 ones they take a slow path: shown once) -- in alternating rounds,
 median ms per call; each against the floor: the weight's bytes over the read bandwidth of this
@@ -17,6 +19,7 @@ and int4 calls compiled by AOTInductor (torch.export of a module calling the op)
 lowering keeps the kernel.
 """
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -68,8 +71,10 @@ def kernels(n: int, k: int, rows: int) -> tuple[dict, dict]:
     wb = w.bfloat16()
     codes, scale = int8(w)
     runs = {"f32": lambda: x @ w.T, "bf16": lambda: xb @ wb.T,
-            "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale.bfloat16())}
-    sizes = {"f32": w.numel() * 4, "bf16": w.numel() * 2, "int8": w.numel() + n * 2}
+            "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale.bfloat16()),
+            # (what models/int_weights.int8_product does from DECODED_FROM_ROWS rows)
+            "int8 decoded, bf16 GEMM": lambda: torch.nn.functional.linear(xb, codes.to(torch.bfloat16) * scale.bfloat16()[:, None])}
+    sizes = {"f32": w.numel() * 4, "bf16": w.numel() * 2, "int8": w.numel() + n * 2, "int8 decoded, bf16 GEMM": w.numel() + n * 2}
     for group in (32, 128):
         packed, scales_and_zeros = int4(w, group)
         szb = scales_and_zeros.bfloat16()
@@ -109,13 +114,16 @@ def aot_inductor(n: int, k: int):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="activation rows of each product")
+    args = parser.parse_args()
     torch.set_num_threads(2)
     bandwidth = read_bandwidth()
     print(f"torch {torch.__version__}, 2 threads; read bandwidth {bandwidth:.1f} GB/s (float32 sum over 512 MiB)\n")
     print("| shape | rows | weights | ms | floor (ms) | / floor | max error / max |f32 result| |")
     print("|---|---|---|---|---|---|---|")
     for shape, (n, k) in SHAPES.items():
-        for rows in (1, 4):
+        for rows in args.rows:
             runs, facts = kernels(n, k, rows)
             for name, ms in take_turns(runs).items():
                 size, error = facts[name]

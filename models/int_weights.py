@@ -12,7 +12,8 @@ recipe's dtype.
     int8  per output channel, symmetric: codes int8 [out, in] in -127..127 and one bfloat16
           scale per row [out]; w = code x scale. Computed by ATen's `_weight_int8pack_mm`
           (bf16 activations: its fast path), which inductor turns into a fused multiply-reduce
-          reading the bytes for a one-row decode step (compiler/backends/int8_matvec.py).
+          reading the bytes for a one-row decode step (compiler/backends/int8_matvec.py); from
+          DECODED_FROM_ROWS rows (prompt chunks) by a bfloat16 GEMM on the weight decoded first.
     int4  per group of `group` inputs, asymmetric: q in 0..15 with w = (q - 8) x scale + zero
           (zero = min + 8 x scale), bfloat16 (scale, zero) per group. A linear keeps the codes in
           ATen's packed layout for `_weight_int4pack_mm_for_cpu` ([out, in/2] bytes) and its
@@ -139,10 +140,24 @@ class IntLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (the kernels' fast path takes bf16 activations)
         if self.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.weight_qscale)
+            out = int8_product(flat, self.weight, self.weight_qscale)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group, self.weight_qscale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+# ATen's int8 kernel takes a row at a time (its time grows with the rows); from this many rows a
+# bfloat16 GEMM on the weight decoded first is faster (bench/quantized_matmul_bench.py --rows, an
+# MLP's [2048, 768] on an AMD EPYC: 64 rows 1.50 vs 1.00 ms, 128 2.74 vs 1.34, 512 10.9 vs 4.6; 32
+# rows 0.72 vs 0.65, 4 rows 0.09 vs 0.39).
+DECODED_FROM_ROWS = 64
+
+
+def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, in] bfloat16 times int8 codes [out, in] with their row scales [out] -> [M, out] bfloat16."""
+    if x.shape[0] >= DECODED_FROM_ROWS:
+        return torch.nn.functional.linear(x, codes.to(torch.bfloat16) * scales[:, None])
+    return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
 
 
 def linear_tensors(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +193,8 @@ def register_stacked(module: nn.Module, name: str, experts: int, rows: int, colu
 
 class Int8Experts(NamedTuple):
     """Every int8 expert of a stack, not dequantized: a prompt chunk's forms multiply each expert's
-    rows by its codes with ATen's int8 kernel (moe.product), instead of writing the whole stack
-    out in floats first (4x its bytes, at every step)."""
+    rows by its codes (moe.product, through int8_product), instead of writing the whole stack out in
+    floats first (4x its bytes, at every step)."""
 
     codes: torch.Tensor  # [E, rows, columns] int8
     scales: torch.Tensor  # [E, rows] bfloat16
@@ -191,8 +206,7 @@ class Int8Experts(NamedTuple):
     def matmul(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """x [..., columns] @ expert's weight.T -> [..., rows] in x's dtype."""
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes[expert], self.scales[expert])
-        return out.to(x.dtype).view(*x.shape[:-1], -1)
+        return int8_product(flat, self.codes[expert], self.scales[expert]).to(x.dtype).view(*x.shape[:-1], -1)
 
 
 def stacked_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | Halves:

@@ -126,11 +126,13 @@ def dense(x, weights, local_ids, w_gate_up, w_down, activation):
 def product(equation: str, x, w):
     """torch.einsum(equation, x, w) over x's last dim, with the experts' weights w as
     models/int_weights.py gives them: int4 experts' Halves (the weights of the first and second
-    half of the input columns), each times x's half; Int8Experts, expert by expert through ATen's
-    int8 kernel (the equation's `e`: the expert axis of x, if it has one, and of the output)."""
-    if isinstance(w, Halves):
-        half = x.shape[-1] // 2
-        return torch.einsum(equation, x[..., :half], w.low) + torch.einsum(equation, x[..., half:], w.high)
+    half of the input columns), each times x's half; Int8Experts, expert by expert
+    (int_weights.int8_product; the equation's `e`: the expert axis of x, if it has one, and of the
+    output)."""
+    if isinstance(w, Halves):  # (x in the dtype the weights are decoded to: bf16 for a prompt chunk's GEMMs)
+        xw, half = x.to(w.low.dtype), x.shape[-1] // 2
+        return (torch.einsum(equation, xw[..., :half], w.low).to(x.dtype)
+                + torch.einsum(equation, xw[..., half:], w.high).to(x.dtype))
     if isinstance(w, Int8Experts):
         x_axes, out_axes = equation.split(",")[0], equation.split("->")[1]
         per_expert = [w.matmul(x.select(x_axes.index("e"), e) if "e" in x_axes else x, e) for e in range(w.shape[0])]

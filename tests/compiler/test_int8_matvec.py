@@ -1,25 +1,27 @@
 """The inductor backend's int8 matvec pass: a one-row product with int8 weights becomes a fused
-reduction over the codes (ATen's kernel stays for more rows), with ATen's result; int8 and int4
-routed experts are decoded inside the gathered experts' reduction."""
+reduction over the codes (ATen's kernel stays for a few rows more, a bf16 GEMM for many), with
+ATen's result; int8 and int4 routed experts are decoded inside the gathered experts' reduction."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.models.int_weights import IntLinear, IntWeights, int8_codes, stacked_tensors, stacked_values
+from deepinfer.models.int_weights import DECODED_FROM_ROWS, IntLinear, IntWeights, int8_codes, stacked_tensors, stacked_values
 from deepinfer.models.moe import gathered
 from tests.compiler.test_gathered_matvec import compiled_code
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, DECODED_FROM_ROWS])
 def test_one_row_reads_int8_codes_in_a_fused_reduction(rows):
+    """A few rows call ATen's int8 kernel; a prompt chunk's many, a bf16 GEMM on the decoded weight."""
     torch.manual_seed(0)
     linear = IntLinear(96, 80, IntWeights(8))
     linear.weight.data, linear.weight_qscale.data = int8_codes(torch.randn(80, 96))
     x = torch.randn(rows, 96)
     got, code = compiled_code(linear, x)
     torch.testing.assert_close(got, linear(x), atol=2e-2, rtol=1e-2)  # (bf16 activations: ATen's, or the reduction's)
-    assert ("extern_kernels._weight_int8pack_mm(" in code) == (rows > 1), code
+    assert ("extern_kernels._weight_int8pack_mm(" in code) == (1 < rows < DECODED_FROM_ROWS), code
+    assert ("extern_kernels.mm(" in code) == (rows >= DECODED_FROM_ROWS), code
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -2,7 +2,7 @@
 not multiples of 128, so scale grids end in partial blocks): the greedy tokens of transformers on
 the same weights as the fp8 bytes decode, with the weights kept fp8 in the bundle and with them
 dequantized at compile time, through export, AOTInductor and StableHLO, at world sizes 1 and 2;
-and clear errors."""
+requantized to int8 for CPUs; and clear errors."""
 
 import json
 import subprocess
@@ -85,6 +85,23 @@ def run_tokens(bundle, prompts=PROMPTS) -> list[list[int]]:
                           "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return [r["token_ids"] for r in json.loads(run.stdout)["results"]]
+
+
+def test_an_fp8_release_requantized_to_int8_generates_the_eager_int8_models_tokens(checkpoints, tmp_path, cache_dir):
+    """model.quantize on an fp8 checkpoint: its weights dequantized as read, then quantized to int8."""
+    from tests.models.test_int_weights import quantization_eval
+
+    release, _, expected_tokens = checkpoints
+    recipe = write_recipe(tmp_path, "fp8-to-int8", methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [32]}},
+                          model={"checkpoint": str(release), "config": None, "quantize": "int8"}, backend={"name": "export"},
+                          kv={"max_seqs": 4, "max_len": 64})
+    bundle = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
+    assert load_file(bundle / "weights" / "rank-0.safetensors")["layers.1.mlp.experts_down"].dtype == torch.int8
+    model = build_model(checkpoint=release, quantize="int8")
+    tokens = run_tokens(bundle)
+    assert tokens == [quantization_eval.greedy(model, torch.tensor(p), MAX_TOKENS) for p in PROMPTS]
+    agree = sum(a == b for got, want in zip(tokens, expected_tokens) for a, b in zip(got, want))
+    assert agree >= 0.8 * len(PROMPTS) * MAX_TOKENS, (tokens, expected_tokens)  # int8 keeps most of transformers' tokens
 
 
 @pytest.mark.parametrize("backend, mode, world_size", [

@@ -57,10 +57,12 @@ class Plan:
 
 
 def recipe_model(recipe: Recipe, device: str, layout: Layout = Layout(), quantize: bool = True):
-    """The recipe's model; `quantize=False`: the float model whose weights model.quantize's are made from."""
+    """The recipe's model; `quantize=False`: the float model whose weights model.quantize's are made from
+    (an fp8 checkpoint's dequantized as read)."""
     m = recipe.model
+    fp8 = "dequantize" if m["quantize"] else m["quantized_weights"]
     return build_model(m["arch"], checkpoint=m["checkpoint"], config=m["config"], seed=m["seed"], dtype=recipe.dtype,
-                       device=device, layout=layout, quantized_weights=m["quantized_weights"], expert_capacity=m["expert_capacity"],
+                       device=device, layout=layout, quantized_weights=fp8, expert_capacity=m["expert_capacity"],
                        expert_overflow=m["expert_overflow"], draft_tokens=recipe.speculative,
                        quantize=m["quantize"] if quantize else None, quantize_group=m["quantize_group"], quantize_head=m["quantize_head"])
 

@@ -96,7 +96,7 @@ def build_model(
     `expert_capacity`, `expert_overflow`: the grouped routed experts' capacity and overflow form
     (models/moe.py). `draft_tokens`: speculative decoding's drafts per step; above 0 the
     checkpoint's multi-token prediction modules (the drafter) are built and read. `quantize`
-    "int8" / "int4" (groups of `quantize_group`; the LM head unless `quantize_head` is off) holds
+    "int8" / "int4" (groups of `quantize_group`; V3's LM head unless `quantize_head` is off) holds
     the weights as integer codes (models/int_weights.py), quantized from the float weights read
     (an fp8 checkpoint's dequantized).
 
@@ -123,7 +123,7 @@ def build_model(
     if layout.world_size > 1 and device == "cpu":
         raise ValueError("build_model: a multi-rank layout is for tracing (device='meta' or 'fake') only.")
     if quantize:
-        spec = int_weights_spec(quantize, quantize_group, quantize_head)
+        spec = int_weights_spec(quantize, quantize_group, quantize_head and arch_of(arch).model.INT_HEAD)
         if device == "cpu":
             return _quantized_copy(arch, replace(cfg, quantization=spec), model_from_config(arch, cfg, checkpoint, seed, dtype))
         cfg = replace(cfg, quantization=spec)

@@ -448,6 +448,7 @@ class MTPPrefill(nn.Module):
 
 class DeepseekV3(nn.Module):
     CONTEXT_PARALLEL = True  # parallel.cp splits the latent cache over a group (models/context_parallel.py)
+    INT_HEAD = True  # model.quantize can quantize the LM head (model.quantize_head)
     # Router parameters stay float32 whatever the model dtype, as in HF.
     FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")
     # From this sub-module on a layer reads no state: under context buckets the compiler starts a

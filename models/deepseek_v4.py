@@ -656,6 +656,7 @@ class MTPPrefill(nn.Module):
 
 class DeepseekV4(nn.Module):
     CONTEXT_PARALLEL = True  # parallel.cp stripes the compressed entries over a group (models/context_parallel.py)
+    INT_HEAD = False  # model.quantize keeps the LM head (a hyper-head's projection) in the recipe's dtype
     STATE_FREE_FROM = "layers.*.ffn_norm"  # as DeepseekV3's: the MoE after it reads no state
 
     def __init__(self, config: DeepseekV4Config, layout: Layout = Layout()):

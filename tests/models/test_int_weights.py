@@ -133,3 +133,20 @@ def test_prefix_caching_with_int8_weights_gives_the_tokens_it_gives_without():
     model = build_model(config=CONFIGS["deepseek_v3"], expert_overflow="always", quantize="int8")
     on = eager_engine(model)
     assert conversation(on) == conversation(eager_engine(model, prefix_caching=False)) and on.prefix_hits == 4
+
+
+def test_deepseek_v4_with_int8_weights_generates_the_eager_models_tokens(tmp_path, cache_dir):
+    """V4: its linears and routed experts int8, its hyper-head's projection kept (and said so)."""
+    from deepinfer.compiler.eager import eager_engine
+    from deepinfer.runtime.engine import Request
+    from tests.conftest import tiny_v4_config
+
+    config = tiny_v4_config()
+    recipe = write_recipe(tmp_path, "v4-int8", model={"arch": "deepseek_v4", "config": config, "quantize": "int8"},
+                          backend={"name": "export"}, methods={"decode": {"buckets": [1]}, "prefill": {"buckets": [16]}})
+    summary = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False)
+    assert "weights int8 per output channel, LM head kept:" in str(summary)
+    model = build_model("deepseek_v4", config=config, quantize="int8")
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.int8 and model.head.weight.dtype == torch.float32
+    engine = eager_engine(model, prefill_buckets=(16,), decode_buckets=(1,))
+    assert run_tokens(summary.bundle, PROMPTS) == [engine.generate([Request(p, 8)])[0].token_ids for p in PROMPTS]

@@ -63,14 +63,24 @@ def random_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def our_bundle(checkpoint: Path, name: str, dtype: str, quantize: str | None, work: Path):
+METHODS = {"decode": {"buckets": [1], "context": [64]}, "prefill": {"buckets": [32, 512], "context": [64]}}
+
+
+def compile_bundle(checkpoint: Path, name: str, dtype: str, quantize: str | None, work: Path, methods: dict = METHODS,
+                   max_seqs: int = 1):
+    """An inductor bundle of `checkpoint` (model.quantize: `quantize`) in work/bundles; its compile summary."""
     recipe = {"name": name, "model": {"checkpoint": str(checkpoint), **({"quantize": quantize} if quantize else {})},
-              "dtype": dtype, "methods": {"decode": {"buckets": [1], "context": [64]}, "prefill": {"buckets": [32, 512], "context": [64]}},
-              "kv": {"max_seqs": 1, "max_len": MAX_LEN}, "backend": {"name": "inductor"}, "output": str(work / "bundles" / name)}
+              "dtype": dtype, "methods": methods, "kv": {"max_seqs": max_seqs, "max_len": MAX_LEN},
+              "backend": {"name": "inductor"}, "output": str(work / "bundles" / name)}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     summary = compile_recipe(load_recipe(path), jobs=2, cache_dir=work / "cache", progress=False)
     print(f"  {name}: {summary}", flush=True)
+    return summary
+
+
+def our_bundle(checkpoint: Path, name: str, dtype: str, quantize: str | None, work: Path):
+    summary = compile_bundle(checkpoint, name, dtype, quantize, work)
     return BundleExecutor(summary.bundle), summary
 
 

@@ -16,43 +16,22 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
 import torch
-import yaml
-from cpu_decode_bench import random_checkpoint
+from cpu_decode_bench import compile_bundle, random_checkpoint
 from llama_cpp_reference import LlamaCpp
-from serve_bench import start_server
+from serve_bench import start_server, wait_until_ready
 
-from deepinfer.compiler.build import compile_recipe
-from deepinfer.compiler.recipe import load_recipe
+from deepinfer.runtime.launch import free_port
 
 PROMPT_LEN, OUTPUT_LEN, REQUESTS = 128, 64, 12
 PAIRS = {"float32": (None, "f32"), "int8": ("int8", "q8_0")}  # ours (model.quantize) -> llama.cpp's type
 CONCURRENCY = (1, 4)
-
-
-def our_bundle(checkpoint: Path, name: str, quantize: str | None, work: Path) -> Path:
-    recipe = {"name": name, "model": {"checkpoint": str(checkpoint), **({"quantize": quantize} if quantize else {})},
-              "dtype": "float32", "methods": {"decode": {"buckets": [1, 2, 4], "context": [256]},
-                                              "prefill": {"buckets": [128], "context": [256]}},
-              "kv": {"max_seqs": 4, "max_len": 512}, "backend": {"name": "inductor"}, "output": str(work / "bundles" / name)}
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    summary = compile_recipe(load_recipe(path), jobs=2, cache_dir=work / "cache", progress=False)
-    print(f"  {name}: {summary}", flush=True)
-    return summary.bundle
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+METHODS = {"decode": {"buckets": [1, 2, 4], "context": [256]}, "prefill": {"buckets": [128], "context": [256]}}
 
 
 def llama_server(llama: LlamaCpp, gguf: Path) -> tuple[subprocess.Popen, str]:
@@ -84,14 +63,7 @@ async def output_tokens_per_second(url: str, model: str, vocab: int, concurrency
 
 def measure(server: subprocess.Popen, url: str, model: str, vocab: int) -> dict[int, float]:
     try:
-        while server.poll() is None:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5).close()
-                break
-            except OSError:  # (a 503 while loading, or not listening yet)
-                time.sleep(0.2)
-        if server.poll() is not None:
-            raise RuntimeError(f"{server.args[0]} exited ({server.returncode}) before it was ready")
+        wait_until_ready(server, url)
         return {c: asyncio.run(output_tokens_per_second(url, model, vocab, c)) for c in CONCURRENCY}
     finally:
         server.terminate()
@@ -109,7 +81,7 @@ def main():
     print(f"torch {torch.__version__}; {PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens, {REQUESTS} requests a level")
     print("\n| weights | concurrency | deepinfer tok/s | llama-server tok/s | ratio |\n|---|---|---|---|---|")
     for ours, (quantize, theirs) in PAIRS.items():
-        bundle = our_bundle(checkpoint, f"190m-serve-{ours}", quantize, args.work)
+        bundle = compile_bundle(checkpoint, f"190m-serve-{ours}", "float32", quantize, args.work, METHODS, max_seqs=4).bundle
         gguf = llama.convert(checkpoint, args.work / f"190m-{theirs}.gguf", theirs)
         mine = measure(*start_server(bundle), f"190m-serve-{ours}", vocab)
         theirs_tok_s = measure(*llama_server(llama, gguf), "model", vocab)

@@ -82,8 +82,8 @@ def main():
         print(f"compiled {args.backend} bundle in {time.perf_counter() - start:.0f} s")
         servers = {"cached": start_server(bundle), "uncached": start_server(bundle, "--no-prefix-caching")}
         try:
-            for _, url in servers.values():
-                wait_until_ready(url)
+            for server, url in servers.values():
+                wait_until_ready(server, url)
             clients = {name: openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
                        for name, (_, url) in servers.items()}
             ttft = {name: [] for name in servers}

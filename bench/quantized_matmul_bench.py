@@ -29,6 +29,8 @@ import torch
 
 from context_bench import BASE_100M, take_turns
 
+from deepinfer.models.int_weights import int8_codes, linear_tensors
+
 V, D, I = BASE_100M["vocab_size"], BASE_100M["hidden_size"], BASE_100M["intermediate_size"]
 SHAPES = {f"lm head {V}x{D}": (V, D), f"mlp up {I}x{D}": (I, D), f"mlp down {D}x{I}": (D, I)}
 
@@ -45,38 +47,20 @@ def read_bandwidth() -> float:
     return data.numel() * 4 / statistics.median(seconds) / 1e9
 
 
-def int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric: (codes int8 [N, K], scales [N]) with w ~ codes * scale."""
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
-
-
-def int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-wise asymmetric, ATen's CPU layout: (packed, scales_and_zeros [K / group, N, 2]) with
-    w ~ (q - 8) * scale + zero, q in 0..15."""
-    n, k = w.shape
-    grouped = w.view(n, k // group, group)
-    low, high = grouped.amin(-1), grouped.amax(-1)
-    scale = (high - low).clamp(min=1e-8) / 15
-    q = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-    scales_and_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous()
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
-
-
 def kernels(n: int, k: int, rows: int) -> tuple[dict, dict]:
     """name -> call, and name -> (weight bytes read, relative error against f32)."""
     torch.manual_seed(0)
     w, x = torch.randn(n, k) / k ** 0.5, torch.randn(rows, k)
     xb, reference = x.bfloat16(), x @ w.T
     wb = w.bfloat16()
-    codes, scale = int8(w)
+    codes, scale = int8_codes(w)  # (the formats model.quantize stores: models/int_weights.py)
     runs = {"f32": lambda: x @ w.T, "bf16": lambda: xb @ wb.T,
             "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale.bfloat16()),
             # (what models/int_weights.int8_product does from DECODED_FROM_ROWS rows)
             "int8 decoded, bf16 GEMM": lambda: torch.nn.functional.linear(xb, codes.to(torch.bfloat16) * scale.bfloat16()[:, None])}
     sizes = {"f32": w.numel() * 4, "bf16": w.numel() * 2, "int8": w.numel() + n * 2, "int8 decoded, bf16 GEMM": w.numel() + n * 2}
     for group in (32, 128):
-        packed, scales_and_zeros = int4(w, group)
+        packed, scales_and_zeros = linear_tensors(w, 4, group)
         szb = scales_and_zeros.bfloat16()
         runs[f"int4 g{group}"] = lambda p=packed, g=group, s=szb: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, s)
         sizes[f"int4 g{group}"] = w.numel() // 2 + scales_and_zeros.numel() * 2
@@ -88,8 +72,8 @@ def aot_inductor(n: int, k: int):
     """The LM head's int8 and int4 (group 128) calls through torch.export + AOTInductor vs eager."""
     torch.manual_seed(0)
     w, x = torch.randn(n, k) / k ** 0.5, torch.randn(1, k).bfloat16()
-    codes, scale = int8(w)
-    packed, scales_and_zeros = int4(w, 128)
+    codes, scale = int8_codes(w)
+    packed, scales_and_zeros = linear_tensors(w, 4, 128)
 
     class Int8(torch.nn.Module):
         def forward(self, x, codes, scale):
@@ -131,8 +115,8 @@ def main():
                 print(f"| {shape} | {rows} | {name} | {ms:.3f} | {floor:.3f} | {ms / floor:.2f} | {error:.1e} |", flush=True)
     n, k = V, D
     w, x = torch.randn(n, k), torch.randn(1, k)
-    codes, scale = int8(w)
-    print(f"\nThe slow path: int8 with f32 activations {take_turns({'': lambda: torch.ops.aten._weight_int8pack_mm(x, codes, scale)})['']:.2f} ms "
+    codes, scale = int8_codes(w)
+    print(f"\nThe slow path: int8 with f32 activations {take_turns({'': lambda: torch.ops.aten._weight_int8pack_mm(x, codes, scale.float())})['']:.2f} ms "
           "(the LM head, one row)\n")
     print("| LM head, one row | ms |")
     print("|---|---|")

@@ -63,13 +63,15 @@ def start_server(bundle: Path, *args: str) -> tuple[subprocess.Popen, str]:
     return server, url
 
 
-def wait_until_ready(url: str):
-    while True:
+def wait_until_ready(server: subprocess.Popen, url: str):
+    """Until `url`/health answers; a server that exits first is an error, not a wait forever."""
+    while server.poll() is None:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5):
                 return
         except OSError:  # (a 503 while loading, or not listening yet)
             time.sleep(0.2)
+    raise RuntimeError(f"{server.args[0]} exited ({server.returncode}) before it was ready")
 
 
 async def one_request(client, prompt: list[int]) -> dict:
@@ -147,7 +149,7 @@ def main():
         bundle = compile_bundle(Path(tmp), args.backend)
         server, url = start_server(bundle)
         try:
-            wait_until_ready(url)
+            wait_until_ready(server, url)
             asyncio.run(measure(url))
         finally:
             server.terminate()

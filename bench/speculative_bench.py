@@ -115,8 +115,8 @@ async def round_at(url: str, model: str, prompts: list[list[int]], concurrency: 
 def speed(bundles: dict[str, Path], prompts: list[list[int]], ks: list[int], output_len: int):
     servers = {name: start_server(bundle) for name, bundle in bundles.items()}
     try:
-        for _, url in servers.values():
-            wait_until_ready(url)
+        for server, url in servers.values():
+            wait_until_ready(server, url)
         for name, (_, url) in servers.items():  # warm-up: every program once
             asyncio.run(round_at(url, name, prompts[:4], 4, output_len))
         print(f"\n2. speed through deepinfer-serve: {len(prompts)} prompts of {PROMPT_LEN} tokens a round, {output_len} "

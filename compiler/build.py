@@ -140,12 +140,13 @@ def weight_reader(recipe: Recipe, full, specs, layout):
     float model's meta tensors) or the random model; int8/int4 codes are made as they are read."""
     checkpoint = recipe.model["checkpoint"]
     if checkpoint:
-        read_slice = checkpoint_reader(Path(checkpoint), full, layout, DTYPES[recipe.dtype])
-        whole = checkpoint_reader(Path(checkpoint), full, Layout(), DTYPES[recipe.dtype])
+        reader = lambda layout: checkpoint_reader(Path(checkpoint), full, layout, DTYPES[recipe.dtype])  # noqa: E731
     else:
         model = recipe_model(recipe, "cpu", quantize=False)
-        read_slice, whole = model_reader(model, layout), model_reader(model, Layout())
+        reader = lambda layout: model_reader(model, layout)  # noqa: E731
+    read_slice = reader(layout)
     if recipe.model["quantize"]:
+        whole = reader(Layout())
         read_slice = int_quantized(read_slice, lambda name: whole(name, 0), specs, layout, recipe.model["quantize_group"])
     transform = getattr(backend_module(recipe.backend), "transform_weight", None)
     if transform:

@@ -135,6 +135,7 @@ def int_quantized(read_slice, read_whole, specs: Specs, layout: Layout, group: i
     rank's codes are the one-rank bundle's, cut. Codes and their scales come from one quantization
     (the file order keeps them adjacent)."""
     dtypes = {name: dtype for name, _, dtype in specs}
+    dims = {name: len(shape) for name, shape, _ in specs}
     last = {}
 
     def read(name, rank):
@@ -143,7 +144,7 @@ def int_quantized(read_slice, read_whole, specs: Specs, layout: Layout, group: i
             return read_slice(name, rank)
         if last.get("key") != (origin, rank):
             split = layout.split(origin)
-            if dtypes[origin] == torch.int8 and split and split[0] == len(_shape(specs, origin)) - 1:
+            if dtypes[origin] == torch.int8 and split and split[0] == dims[origin] - 1:
                 whole = quantized(origin, read_whole(origin), torch.int8, group)
                 made = {origin: shard(origin, whole[origin], layout, rank), origin + INT_SCALE: whole[origin + INT_SCALE]}
             else:
@@ -152,7 +153,3 @@ def int_quantized(read_slice, read_whole, specs: Specs, layout: Layout, group: i
         return last["made"][name]
 
     return read
-
-
-def _shape(specs: Specs, name: str) -> list[int]:
-    return next(shape for n, shape, _ in specs if n == name)

@@ -228,7 +228,7 @@ def quantized(name: str, w: torch.Tensor, codes_dtype: torch.dtype, group: int) 
 
 def is_int_param(tensor: torch.Tensor, name: str) -> bool:
     """Codes or their scales: stored as they are, whatever the recipe's dtype."""
-    return tensor.dtype == torch.int8 or name.endswith(SCALE)
+    return tensor.dtype in (torch.int8, INT4_PACK) or name.endswith(SCALE)
 
 
 def source_name(name: str) -> str:

@@ -166,7 +166,7 @@ class Leader:
             if torchrun:
                 addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             else:
-                addr, port = "127.0.0.1", _free_port()
+                addr, port = "127.0.0.1", free_port()
                 self._spawn(addr, port, trust)
                 self.watchdog = threading.Thread(target=self._watch, daemon=True)
                 self.watchdog.start()
@@ -283,7 +283,7 @@ class Leader:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -27,7 +27,7 @@ def matvec(vector, matrix):
     """vector [B, 1, K] @ matrix [B, K, N] -> [B, 1, N], as a product summed over K. The vector is
     made a buffer first: inductor would otherwise recompute what produces it (the norm, SiLU x up)
     inside the reduction, once per output."""
-    B, _, K = vector.shape
+    K = vector.shape[-1]
     buffered = torch.ops.prims.inductor_force_stride_order.default(vector, [K, K, 1])
     return (buffered.transpose(1, 2) * matrix).sum(1, keepdim=True)
 

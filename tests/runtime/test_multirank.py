@@ -256,9 +256,9 @@ def test_followers_end_with_the_leader(bundles, signum, after):
 def two_hosts(bundle: Path, *args: str) -> list[subprocess.Popen]:
     """torchrun on two "hosts" of 2 ranks each, on loopback: each its own torchrun (node 0 and 1),
     its own ring (they share this /dev/shm, as two hosts would not)."""
-    from deepinfer.runtime.launch import _free_port
+    from deepinfer.runtime.launch import free_port
 
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                               "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "-m", "deepinfer.runtime.cli",
                               "--bundle", str(bundle), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -3,13 +3,14 @@ its held-out loss in float32, bfloat16, int8 and int4, and how often greedy cont
 prompts equal float32's.
 
     .venv/bin/python tools/quantization_eval.py                       # checkpoints/tiny-v3-code, ~1 minute
-    .venv/bin/python tools/quantization_eval.py --checkpoint checkpoints/tiny-v4-code
 
 The held-out text is tools/train_tiny.py's: the stdlib files it never trained on. The loss is the
 mean next-token cross-entropy (nats) over `--spans` spans of `--length` tokens (fixed seed), each
 one prefill of the model as the compiler traces it (models/), with the weights each variant
 stores: the same codes the compiler writes into a bundle (models/int_weights.py). A linear whose
 inputs the int4 group does not divide stays int8 (the bytes a token reads show how much is int4).
+DeepSeek-V3 checkpoints only: it calls the V3 model's prefill of every row, whose arguments V4's
+differ from.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""Routed experts at prompt sizes: grouped (routed-only) against every expert on every token.
+"""Routed experts at prompt sizes: exact and grouped (routed-only) against every expert on every token.
 
     .venv/bin/python bench/moe_bench.py                # both configs (~10 min cold)
     .venv/bin/python bench/moe_bench.py --configs 64x4
@@ -6,12 +6,13 @@
 Two measurements per config (context_bench's ~100M config, 16 experts top-4, and 64 experts top-4;
 weights as transformers initializes them, whose routing is as even as a trained DeepSeek's aims
 to be):
-1. The three forms of models/moe.py on one MoE layer, eager (the same BLAS calls AOTInductor
+1. The four forms of models/moe.py on one MoE layer, eager (the same BLAS calls AOTInductor
    makes for them), ms by rows N: where each form starts to win (models/moe.py's switch points).
-2. Prefill tokens/s of one 512-token prompt through AOTInductor bundles that differ only in
-   model.expert_capacity: 2 (grouped, with further passes where an expert is routed past its
-   capacity) against 1024 (C >= N: the dense form, what bundles did before), and transformers
-   eager on the same weights; plus the grouped passes each MoE layer ran.
+2. Prefill tokens/s of one 512-token prompt through AOTInductor bundles that differ only in the
+   prompt experts' form: exact (model.expert_overflow: exact, the default), grouped at
+   model.expert_capacity 2 (branch: further passes where an expert is routed past its capacity)
+   and 1024 (C >= N: the dense form), and transformers eager on the same weights; plus the
+   grouped passes each MoE layer ran.
 All timings in one process, the paths taking turns in rounds.
 """
 
@@ -28,7 +29,7 @@ from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import load_recipe
 from deepinfer.models import build_model
 from deepinfer.models.deepseek_v3 import swiglu
-from deepinfer.models.moe import dense, expert_capacity, expert_places, gathered, grouped, grouped_passes
+from deepinfer.models.moe import dense, exact, expert_capacity, expert_places, gathered, grouped, grouped_passes
 from deepinfer.models.quantization import expert_weights
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.step import Step
@@ -47,10 +48,12 @@ def forms_ms(moe, hidden: int) -> dict[int, dict[str, float]]:
     for n in ROWS:
         x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n))
         weights, ids = moe.gate(x)
-        expert, place = expert_places(ids, torch.ones_like(ids, dtype=torch.bool), E)
+        owned = torch.ones_like(ids, dtype=torch.bool)
+        expert, place = expert_places(ids, owned, E)
         busiest = int(place.max()) + 1
         table[n] = take_turns({
             "gathered": lambda: gathered(x, weights, ids, gate_up, down, swiglu),
+            "exact": lambda: exact(x, weights, ids, owned, gate_up(), down(), swiglu),
             "grouped": lambda: grouped(x, weights, expert, place, 0, busiest, gate_up(), down(), swiglu),
             "dense": lambda: dense(x, weights, ids, gate_up(), down(), swiglu),
         }, repeat=3)
@@ -58,8 +61,12 @@ def forms_ms(moe, hidden: int) -> dict[int, dict[str, float]]:
     return table
 
 
-def write_recipe(work: Path, checkpoint: Path, name: str, capacity: float) -> Path:
-    recipe = {"name": name, "model": {"checkpoint": str(checkpoint), "expert_capacity": capacity}, "dtype": "float32",
+FORMS = {"exact": {"expert_overflow": "exact"}, "grouped": {"expert_overflow": "branch", "expert_capacity": 2.0},
+         "dense": {"expert_overflow": "branch", "expert_capacity": 1024.0}}  # the bundles' recipe keys
+
+
+def write_recipe(work: Path, checkpoint: Path, name: str, form: dict) -> Path:
+    recipe = {"name": name, "model": {"checkpoint": str(checkpoint), **form}, "dtype": "float32",
               "methods": {"decode": {"buckets": [1]}, "prefill": {"buckets": [PROMPT]}}, "kv": {"max_seqs": 1, "max_len": 1024},
               "backend": {"name": "inductor"}, "output": str(work / "bundles" / name)}
     path = work / f"{name}.yaml"
@@ -96,8 +103,8 @@ def bench_config(name: str, config: dict, work: Path, jobs: int) -> dict:
         forms = forms_ms(model.layers[1].mlp, config["hidden_size"])
     cache = work / f"cache-{name}"
     executors = {}
-    for label, capacity in (("grouped", 2.0), ("dense", 1024.0)):
-        recipe = load_recipe(write_recipe(work, checkpoint, f"{name}-{label}", capacity))
+    for label, form in FORMS.items():
+        recipe = load_recipe(write_recipe(work, checkpoint, f"{name}-{label}", form))
         executors[label] = BundleExecutor(compile_recipe(recipe, jobs=jobs, cache_dir=cache, progress=False).bundle)
     tokens = torch.randint(0, config["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(0))
     step = Step("prefill", tokens, torch.arange(PROMPT), torch.zeros(PROMPT, dtype=torch.long), torch.tensor([0]),
@@ -121,11 +128,11 @@ def main():
         c = CONFIGS[name]
         print(f"\n{name} ({c['n_routed_experts']} experts, top-{c['num_experts_per_tok']}): one MoE layer's routed experts, "
               "ms (eager) by rows")
-        print(f"{'rows':>5} {'gathered':>9} {'grouped':>9} {'dense':>9} {'C/N':>6}")
+        print(f"{'rows':>5} {'gathered':>9} {'exact':>9} {'grouped':>9} {'dense':>9} {'C/N':>6}")
         for n, f in row["forms"].items():
-            print(f"{n:5d} {f['gathered']:9.3f} {f['grouped']:9.3f} {f['dense']:9.3f} {f['C / N']:6.2f}")
+            print(f"{n:5d} {f['gathered']:9.3f} {f['exact']:9.3f} {f['grouped']:9.3f} {f['dense']:9.3f} {f['C / N']:6.2f}")
         t = row["tokens_per_s"]
-        print(f"prefill of {PROMPT} tokens, tokens/s: grouped {t['grouped']:.0f}, dense (before) {t['dense']:.0f}, "
+        print(f"prefill of {PROMPT} tokens, tokens/s: exact {t['exact']:.0f}, grouped {t['grouped']:.0f}, dense {t['dense']:.0f}, "
               f"transformers eager {t['hf_eager']:.0f}; grouped / dense = {t['grouped'] / t['dense']:.2f}x (target >= 4x "
               f"on 64x4), grouped / transformers = {t['grouped'] / t['hf_eager']:.2f}x; grouped passes per MoE layer at "
               f"capacity 2: {row['passes']}")

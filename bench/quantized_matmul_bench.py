@@ -56,7 +56,7 @@ def kernels(n: int, k: int, rows: int) -> tuple[dict, dict]:
     codes, scale = int8_codes(w)  # (the formats model.quantize stores: models/int_weights.py)
     runs = {"f32": lambda: x @ w.T, "bf16": lambda: xb @ wb.T,
             "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale.bfloat16()),
-            # (what models/int_weights.int8_product does from DECODED_FROM_ROWS rows)
+            # (what runtime/grouped_matmul.int8_product does from DECODED_FROM_ROWS rows)
             "int8 decoded, bf16 GEMM": lambda: torch.nn.functional.linear(xb, codes.to(torch.bfloat16) * scale.bfloat16()[:, None])}
     sizes = {"f32": w.numel() * 4, "bf16": w.numel() * 2, "int8": w.numel() + n * 2, "int8 decoded, bf16 GEMM": w.numel() + n * 2}
     for group in (32, 128):

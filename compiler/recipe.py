@@ -148,9 +148,10 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
         fail("model.expert_capacity", f"{model['expert_capacity']} must be in (0, 1024]: the (token, expert) pairs an expert "
              "takes in a prompt chunk, in multiples of an even share (default 2; a step past it runs every expert).")
     if model["expert_overflow"] not in (*OVERFLOW_FORMS, None):
-        fail("model.expert_overflow", f"{model['expert_overflow']!r}: choose branch (a prompt chunk's overflow passes run "
-             "when some expert needs them: torch.cond) or always (every pass runs: no control flow, for compilers that "
-             "take none, like StableHLO/PJRT and neuronx-cc).")
+        fail("model.expert_overflow", f"{model['expert_overflow']!r}: choose exact (a prompt chunk's experts each take "
+             "exactly their rows, through deepinfer's grouped-matmul ops: inductor and export), branch (a capacity per "
+             "expert; the overflow passes run when some expert needs them: torch.cond) or always (every pass runs: no "
+             "control flow, for compilers that take none, like StableHLO/PJRT and neuronx-cc).")
     _check_quantize(model, values["backend"]["name"] if backend is None else backend, fail)
     if values["dtype"] not in ("float32", "bfloat16"):
         fail("dtype", f"{values['dtype']!r} is not supported; use float32 or bfloat16.")
@@ -187,8 +188,10 @@ def load_recipe(path: str | Path, backend: str | None = None, output: str | Path
     problem = options_problem(backend_name, values["backend"]["options"])
     if problem:
         fail("backend.options", problem)
-    if model["expert_overflow"] is None:  # unset: the form the backend can compile
-        model["expert_overflow"] = "branch" if getattr(backend_module(backend_name), "CONTROL_FLOW", True) else "always"
+    if model["expert_overflow"] is None:  # unset: the best form the backend can compile
+        module = backend_module(backend_name)
+        model["expert_overflow"] = ("exact" if getattr(module, "CUSTOM_OPS", True)
+                                    else "branch" if getattr(module, "CONTROL_FLOW", True) else "always")
     try:
         config = model_config(model["arch"], model["checkpoint"], model["config"])
     except DeepinferError as err:

@@ -83,7 +83,7 @@ def build_model(
     layout: Layout = Layout(),
     quantized_weights: str = "keep",
     expert_capacity: float = DEFAULT_CAPACITY,
-    expert_overflow: str = "branch",
+    expert_overflow: str = "exact",
     draft_tokens: int = 0,
     quantize: str | None = None,
     quantize_group: int = 32,
@@ -93,8 +93,8 @@ def build_model(
 
     A checkpoint with fp8 weights (quantization_config) keeps them fp8 (`quantized_weights`
     "keep": models/quantization.py) or is dequantized to `dtype` as it is read ("dequantize").
-    `expert_capacity`, `expert_overflow`: the grouped routed experts' capacity and overflow form
-    (models/moe.py). `draft_tokens`: speculative decoding's drafts per step; above 0 the
+    `expert_overflow`: a prompt chunk's routed-experts form, `expert_capacity`: the grouped
+    form's capacity (models/moe.py). `draft_tokens`: speculative decoding's drafts per step; above 0 the
     checkpoint's multi-token prediction modules (the drafter) are built and read. `quantize`
     "int8" / "int4" (groups of `quantize_group`; V3's LM head unless `quantize_head` is off) holds
     the weights as integer codes (models/int_weights.py), quantized from the float weights read

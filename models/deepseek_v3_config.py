@@ -66,7 +66,7 @@ class DeepseekV3Config:
     quantization: Fp8Blocks | None = None  # the checkpoint's fp8 weights (models/quantization.py)
     # Not checkpoint fields: the recipe's model.expert_capacity and expert_overflow (models/moe.py).
     expert_capacity: float = DEFAULT_CAPACITY
-    expert_overflow: str = "branch"
+    expert_overflow: str = "exact"
     # The recipe's speculative.num_tokens: draft tokens a step; above 0 the MTP modules are built and read.
     draft_tokens: int = 0
 

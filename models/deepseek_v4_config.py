@@ -63,7 +63,7 @@ class DeepseekV4Config:
     compress_rope: RopeConfig = field(default_factory=lambda: RopeConfig(rope_theta=160000.0, attention_factor=1.0))
     quantization: Fp8Blocks | None = None  # the checkpoint's fp8 / fp4 weights (models/quantization.py)
     expert_capacity: float = DEFAULT_CAPACITY  # not a checkpoint field: the recipe's model.expert_capacity (models/moe.py)
-    expert_overflow: str = "branch"  # nor this: the recipe's model.expert_overflow (models/moe.py)
+    expert_overflow: str = "exact"  # nor this: the recipe's model.expert_overflow (models/moe.py)
     draft_tokens: int = 0  # nor this: the recipe's speculative.num_tokens; above 0 the MTP modules are built and read
 
 

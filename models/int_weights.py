@@ -41,6 +41,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from deepinfer.runtime.grouped_matmul import int8_product
+
 BITS = {"int8": 8, "int4": 4}
 GROUPS = (32, 64, 128, 256)  # int4 group sizes ATen's kernel takes
 SCALE = "_qscale"  # a quantized weight `name`'s scales are `name_qscale`
@@ -144,20 +146,6 @@ class IntLinear(nn.Module):
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group, self.weight_qscale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)
-
-
-# ATen's int8 kernel takes a row at a time (its time grows with the rows); from this many rows a
-# bfloat16 GEMM on the weight decoded first is faster (bench/quantized_matmul_bench.py --rows, an
-# MLP's [2048, 768] on an AMD EPYC: 64 rows 1.50 vs 1.00 ms, 128 2.74 vs 1.34, 512 10.9 vs 4.6; 32
-# rows 0.72 vs 0.65, 4 rows 0.09 vs 0.39).
-DECODED_FROM_ROWS = 64
-
-
-def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, in] bfloat16 times int8 codes [out, in] with their row scales [out] -> [M, out] bfloat16."""
-    if x.shape[0] >= DECODED_FROM_ROWS:
-        return torch.nn.functional.linear(x, codes.to(torch.bfloat16) * scales[:, None])
-    return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
 
 
 def linear_tensors(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,14 @@ computes the (row, expert) pairs whose expert it owns. No form branches on value
 
     gathered  N * k <= E          each row's k experts' weights are gathered and applied: reads
                                   only the routed experts (decode)
+    exact     N >= 32             pairs sorted by expert, each expert run on exactly its rows by
+                                  one grouped product (runtime/grouped_matmul.py's custom ops), the
+                                  results put back weighted: the routed FLOPs (prompts; the
+                                  default where the backend runs the ops: `expert_overflow: exact`)
     grouped   N >= 32 and C < N   pairs grouped by expert into C rows per expert ([E, C, D]), each
                                   expert run once on its group (bmm), the results scattered back
-                                  weighted: ~capacity x the routed FLOPs instead of E / k x (prompts)
+                                  weighted: ~capacity x the routed FLOPs instead of E / k x (prompts,
+                                  where the backend takes no custom ops: StableHLO, neuronx-cc)
     dense     otherwise           every local expert on every row, masked by the routing weights
 
 The switch points are measured (bench/moe_bench.py: one MoE layer, ms by rows, eager ATen — the
@@ -16,7 +21,9 @@ BLAS calls AOTInductor makes for these einsums — weights cache-hot):
                        rows 64: grouped 7.36, dense 10.5; rows 512: grouped 22.3, dense 70.9
     64 experts top-4   rows 8: grouped 7.08, dense 12.3; rows 32: grouped 11.3, dense 18.0;
                        rows 512: grouped 25.2, dense 186
-Grouping wins from 32 rows on both. Below that a step is a decode batch, whose cost is reading
+Grouping wins from 32 rows on both. The exact form reads the same weights as the grouped one
+for half its FLOPs at capacity 2, and never takes an overflow pass: bench/moe_bench.py compares
+them in bundles, runtime/grouped_matmul.py its kernels. Below that a step is a decode batch, whose cost is reading
 weights from memory, not FLOPs: gathering reads one expert per (row, expert) pair, the dense
 form reads each expert once, and grouping reads each once per pass (an uneven small batch takes
 several), so decode batches keep gathered and dense. Gathering wins while the pairs are at most
@@ -44,12 +51,16 @@ import math
 import torch
 import torch.nn.functional as F
 
+import deepinfer.runtime.grouped_matmul  # noqa: F401  (registers torch.ops.deepinfer.grouped_*)
+
 from .int_weights import Halves, Int8Experts
 
 # Places per expert in the first grouped pass, in multiples of an even share; an expert routed
 # more takes further passes (bench/moe_bench.py counts them).
 DEFAULT_CAPACITY = 2.0
-OVERFLOW_FORMS = ("branch", "always")  # the overflow passes: run when needed (torch.cond), or always
+# A prompt chunk's form: exact (no capacity, nothing overflows); grouped, its overflow passes run
+# when needed (torch.cond) or always.
+OVERFLOW_FORMS = ("exact", "branch", "always")
 GROUPED_FROM_ROWS = 32  # (measured: see the module docstring)
 
 
@@ -59,7 +70,7 @@ def expert_capacity(rows: int, k: int, n_routed_experts: int, capacity: float) -
 
 
 def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: float = DEFAULT_CAPACITY,
-                   overflow: str = "branch"):
+                   overflow: str = "exact"):
     """The routed experts' sum [N, D] for x [N, D], routing weights and global expert ids [N, k];
     stacked weights gate_up [E_local, 2I, D] (gate rows, then up rows) and down [E_local, D, I],
     given as pick(ids) functions (models/quantization.expert_weights).
@@ -72,6 +83,8 @@ def routed_experts(moe, x, weights, ids, gate_up, down, activation, capacity: fl
     local_ids = (ids - moe.expert_offset).clamp(0, E - 1)
     if N * k <= E:
         return gathered(x, weights, local_ids, gate_up, down, activation)
+    if overflow == "exact" and N >= GROUPED_FROM_ROWS:
+        return exact(x, weights, local_ids, owned, gate_up(), down(), activation)
     C = expert_capacity(N, k, moe.config.n_routed_experts, capacity)
     if N < GROUPED_FROM_ROWS or C >= N:
         return dense(x, weights, local_ids, gate_up(), down(), activation)
@@ -138,6 +151,32 @@ def product(equation: str, x, w):
         per_expert = [w.matmul(x.select(x_axes.index("e"), e) if "e" in x_axes else x, e) for e in range(w.shape[0])]
         return torch.stack(per_expert, dim=out_axes.index("e"))
     return torch.einsum(equation, x, w)
+
+
+def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):
+    """Every pair this rank computes, sorted by expert, each expert's products on exactly its rows."""
+    (N, D), k, E = x.shape, local_ids.shape[1], w_gate_up.shape[0]
+    expert = torch.where(owned, local_ids, E).flatten()  # [P]; E: a pair another rank computes (sorted last)
+    order = torch.argsort(expert, stable=True)  # [P]: the pairs by expert
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add(0, expert, torch.ones_like(expert))
+    ends = counts[:E].cumsum(0).to(torch.int32)  # [E]: where each expert's rows end
+    xs = x.index_select(0, order // k)  # [P, D]
+    gate, up = grouped_product(xs, w_gate_up, ends).chunk(2, dim=-1)  # [P, I] each
+    y = grouped_product(activation(gate, up), w_down, ends)  # [P, D], zeros past ends[-1]
+    back = torch.empty_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))
+    return (y.index_select(0, back).view(N, k, D) * weights[..., None]).sum(dim=1)
+
+
+def grouped_product(x, w, ends):
+    """x [P, D] (rows sorted by expert, `ends` [E] where each expert's end) times its expert's
+    weight from w as models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype."""
+    if isinstance(w, Halves):
+        xw, half = x.to(w.low.dtype), x.shape[-1] // 2
+        return (torch.ops.deepinfer.grouped_matmul(xw[:, :half].contiguous(), w.low, ends).to(x.dtype)
+                + torch.ops.deepinfer.grouped_matmul(xw[:, half:].contiguous(), w.high, ends).to(x.dtype))
+    if isinstance(w, Int8Experts):
+        return torch.ops.deepinfer.grouped_int8_matmul(x, w.codes, w.scales, ends)
+    return torch.ops.deepinfer.grouped_matmul(x, w, ends)
 
 
 def expert_places(local_ids, owned, E: int):

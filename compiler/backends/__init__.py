@@ -7,6 +7,9 @@ The contract every backend module keeps, so the compile worker can drive any of 
     PRELOAD: tuple (optional)          modules the workers' fork server imports once (heavy, thread-free)
     CONTROL_FLOW: bool (optional)      False: it compiles no torch.cond, so a recipe that does not say
                                        model.expert_overflow gets the MoE form without it (always)
+    CUSTOM_OPS: bool (optional)        False: its regions cannot call deepinfer's compute ops
+                                       (runtime/grouped_matmul.py), so a recipe that does not say
+                                       model.expert_overflow gets the grouped MoE form (branch or always)
     unavailable(options) -> str | None why it cannot run here with these (the recipe's) options:
                                        a missing package, or None
     versions() -> dict                 toolchain versions its artifacts are tied to (cache + manifest)

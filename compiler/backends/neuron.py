@@ -23,6 +23,7 @@ from .neuron_fp8 import to_trn2 as transform_weight  # noqa: F401  (the contract
 EXTENSION = pjrt.EXTENSION
 PRELOAD = pjrt.PRELOAD
 CONTROL_FLOW = pjrt.CONTROL_FLOW
+CUSTOM_OPS = pjrt.CUSTOM_OPS
 DEFAULTS = {"platform": "neuron", "compiler_args": []}
 
 

@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 EXTENSION = "pjrt"
 PRELOAD = ("torch_mlir.fx", "jax", "jax._src.lib.xla_client")  # ~1.6 s a worker otherwise
 CONTROL_FLOW = False  # torch-mlir's importer lowers no torch.cond
+CUSTOM_OPS = False  # nor a Python op (the MoE's exact form: runtime/grouped_matmul.py)
 DEFAULTS = {"platform": "cpu"}
 COND = torch.ops.higher_order.cond
 
@@ -136,6 +137,10 @@ def _refuse_control_flow(program):
                 "torch.cond does not lower to StableHLO (a data-dependent "
                 "branch; torch-mlir's importer has none): choose the model form without it in the recipe "
                 "(the MoE's overflow passes: model.expert_overflow: always).")
+        if getattr(node.target, "namespace", None) == "deepinfer":
+            raise LoweringError(
+                f"{node.target} is a host-side op of deepinfer's (the MoE's exact form) that does not lower to "
+                "StableHLO: choose the grouped form in the recipe (model.expert_overflow: always).")
 
 
 def _mutated_inputs(program) -> list[int]:

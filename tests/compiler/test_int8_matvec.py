@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.models.int_weights import DECODED_FROM_ROWS, IntLinear, IntWeights, int8_codes, stacked_tensors, stacked_values
+from deepinfer.models.int_weights import IntLinear, IntWeights, int8_codes, stacked_tensors, stacked_values
 from deepinfer.models.moe import gathered
+from deepinfer.runtime.grouped_matmul import DECODED_FROM_ROWS
 from tests.compiler.test_gathered_matvec import compiled_code
 
 

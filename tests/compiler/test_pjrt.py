@@ -31,19 +31,21 @@ def tokens(bundle):
 
 
 def test_pjrt_regions_give_the_export_bundles_tokens(pjrt_bundle, tiny_bundle):
-    assert tokens(pjrt_bundle) == tokens(tiny_bundle("export"))  # (its overflow passes branch: the same sums)
+    assert tokens(pjrt_bundle) == tokens(tiny_bundle("export"))  # (its prompt experts take the exact form: the same sums)
     manifest = json.loads((pjrt_bundle / "manifest.json").read_text())
     assert {r["backend"] for r in manifest["regions"].values()} == {"pjrt"}
     assert {"torch-mlir", "jaxlib"} <= set(manifest["toolchain"])
 
 
-def test_a_region_that_does_not_lower_is_refused_at_compile_naming_the_op(tmp_path, cache_dir):
+@pytest.mark.parametrize("overflow, refusal", [("branch", "LoweringError: torch.cond does not lower to StableHLO"),
+                                               ("exact", "LoweringError: deepinfer.grouped_matmul.default is a host-side op")])
+def test_a_region_that_does_not_lower_is_refused_at_compile_naming_the_op(tmp_path, cache_dir, overflow, refusal):
     with pytest.raises(DeepinferError) as failure:
-        compile_recipe(load_recipe(pjrt_recipe(tmp_path, "tiny-cond", "branch")), cache_dir=cache_dir, progress=False)
+        compile_recipe(load_recipe(pjrt_recipe(tmp_path, "tiny-" + overflow, overflow)), cache_dir=cache_dir, progress=False)
     report = str(failure.value)
-    assert "LoweringError: torch.cond does not lower to StableHLO" in report, report
+    assert refusal in report, report
     assert "model.expert_overflow: always" in report, report
-    assert not (tmp_path / "bundles" / "tiny-cond").exists()
+    assert not (tmp_path / "bundles" / ("tiny-" + overflow)).exists()
 
 
 def relabelled(pjrt_bundle, directory, **metadata):

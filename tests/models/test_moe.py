@@ -1,7 +1,8 @@
-"""The routed experts' static forms agree: gathered, grouped (one pass, or more where an expert is
-routed past its capacity) and dense give one result, on one rank and summed over ranks that each
+"""The routed experts' static forms agree: gathered, exact, grouped (one pass, or more where an
+expert is routed past its capacity) and dense give one result, on one rank and summed over ranks that each
 own part of the experts. Compiled bundles whose prompt chunks take every extra pass
-(expert_capacity 0.25): test_context_buckets (world size 1) and test_multirank (world size 2)."""
+(expert_capacity 0.25): test_context_buckets (world size 1) and test_multirank (world size 2);
+every other compiled bundle's prompts take the exact form."""
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ def moe():
     return build_model(config=CONFIG, seed=1).layers[1].mlp
 
 
-def forms(moe, x, capacity: float, rank_of: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routed_experts at `capacity`, the dense form) for rows x, on the rank `rank_of` = (rank,
+def forms(moe, x, capacity: float, rank_of: tuple[int, int] | None = None,
+          overflow: str = "branch") -> tuple[torch.Tensor, torch.Tensor]:
+    """(routed_experts in form `overflow` at `capacity`, the dense form) for rows x, on the rank `rank_of` = (rank,
     world_size) owns (all experts when None)."""
     if rank_of is not None:
         for name, value in moe_buffers(Layout(rank_of[1], 1, 1), moe.config, rank_of[0]).items():
@@ -29,18 +31,21 @@ def forms(moe, x, capacity: float, rank_of: tuple[int, int] | None = None) -> tu
     weights, ids = moe.gate(x)
     gate_up = expert_weights(moe, "experts_gate_up", x.dtype, None)
     down = expert_weights(moe, "experts_down", x.dtype, None)
-    ours = routed_experts(moe, x, weights, ids, gate_up, down, swiglu, capacity)
+    ours = routed_experts(moe, x, weights, ids, gate_up, down, swiglu, capacity, overflow)
     owned = (ids >= moe.owned_begin) & (ids < moe.owned_end)
     reference = dense(x, torch.where(owned, weights, 0.0), ids, gate_up(), down(), swiglu)
     return ours, reference
 
 
+FORMS = [("branch", 0.5), ("branch", 2.0), ("exact", 2.0)]  # (expert_overflow, expert_capacity)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 16, 32, 64])
-@pytest.mark.parametrize("capacity", [0.5, 2.0])
-def test_every_form_gives_the_dense_result(moe, rows, capacity):
+@pytest.mark.parametrize("overflow, capacity", FORMS)
+def test_every_form_gives_the_dense_result(moe, rows, overflow, capacity):
     x = torch.randn(rows, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
-        ours, reference = forms(moe, x, capacity)
+        ours, reference = forms(moe, x, capacity, overflow=overflow)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
@@ -61,13 +66,13 @@ def test_passes_cover_every_place_once():
         assert places == list(range(N))
 
 
-@pytest.mark.parametrize("capacity", [0.5, 2.0])
-def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, capacity):
+@pytest.mark.parametrize("overflow, capacity", FORMS)
+def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, overflow, capacity):
     """Each rank groups only the pairs of the experts it owns (running its own number of passes: no
     collective inside any), and the partial sums add up to one rank's result."""
     x = torch.randn(64, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        whole, _ = forms(moe, x, capacity, (0, 1))
-        parts = [forms(moe, x, capacity, (rank, 4))[0] for rank in range(4)]
+        whole, _ = forms(moe, x, capacity, (0, 1), overflow)
+        parts = [forms(moe, x, capacity, (rank, 4), overflow)[0] for rank in range(4)]
         forms(moe, x, capacity, (0, 1))  # (restore the one-rank buffers for the other tests)
     torch.testing.assert_close(sum(parts), whole, atol=1e-5, rtol=1e-5)

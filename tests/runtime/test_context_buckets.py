@@ -44,9 +44,11 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bundle(checkpoint, tmp_path_factory, cache_dir):
     work = tmp_path_factory.mktemp("contexts")
-    # expert_capacity 0.25: 4 places per expert in the first grouped pass of a 64-token chunk (an
-    # even share is 16), so prompts take the extra passes, and must still give the reference tokens.
-    recipe = write_recipe(work, "tiny-contexts", model={"checkpoint": str(checkpoint[1]), "config": None, "expert_capacity": 0.25},
+    # The grouped experts' form at expert_capacity 0.25: 4 places per expert in the first grouped pass
+    # of a 64-token chunk (an even share is 16), so prompts take the extra passes, and must still
+    # give the reference tokens.
+    recipe = write_recipe(work, "tiny-contexts", model={"checkpoint": str(checkpoint[1]), "config": None,
+                                                        "expert_overflow": "branch", "expert_capacity": 0.25},
                           backend={"name": "export"}, methods=METHODS)
     return compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
 

@@ -43,8 +43,10 @@ def bundles(checkpoint, tmp_path_factory, cache_dir):
     work = tmp_path_factory.mktemp("multirank")
     out = {}
     for name, parallel in LAYOUTS.items():
-        capacity = 0.25 if name == "ws2_tp2_ep2" else 2.0  # 2 places per expert in a 32-token chunk: extra passes run
-        recipe = write_recipe(work, name, model={"checkpoint": str(directory), "config": None, "expert_capacity": capacity},
+        # ws2_tp2_ep2's prompt experts: the grouped form, 2 places per expert in a 32-token chunk (extra
+        # passes run); the others' the exact form.
+        grouped = {"expert_overflow": "branch", "expert_capacity": 0.25} if name == "ws2_tp2_ep2" else {}
+        recipe = write_recipe(work, name, model={"checkpoint": str(directory), "config": None, **grouped},
                               parallel=parallel, backend={"name": "export"},
                               methods={"decode": {"buckets": [1, 2, 4]}, "prefill": {"buckets": [8, 32]}})
         out[name] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle

@@ -1,0 +1,81 @@
+"""A prompt chunk's routed experts, each on exactly the rows routed to it: custom ops the regions call.
+
+    torch.ops.deepinfer.grouped_matmul(x, w, ends)                    # float experts w [E, F, D]
+    torch.ops.deepinfer.grouped_int8_matmul(x, codes, scales, ends)   # int8 codes [E, F, D], scales [E, F]
+
+x [P, D]: the (token, expert) pairs' rows, sorted by expert; ends [E] int32: where each expert's
+rows end (cumulative). The result [P, F] holds expert e's rows times its weight transposed; rows
+past ends[-1] (pairs another rank computes) are zeros.
+
+Why ops: how many rows each expert takes is known only when the step runs. A static graph can only
+give every expert a fixed capacity (models/moe.py's grouped form: twice the routed FLOPs at the
+default capacity 2, and further passes when routing is uneven). The kernels loop over the experts
+here, one product each: oneDNN's linear for float weights (where ATen has oneDNN), `int8_product`
+for int8 ones. Measured against the alternatives (16 experts [1280, 1024], rows routed evenly at
+random, eager, ms; an AMD EPYC, 2 threads):
+                      32 rows x top-4    128     512
+    float32  oneDNN         6.2          11.6    28.7
+             MKL (F.linear) 10.2         14.2    34.6
+             _grouped_mm    9.1          14.0    33.7   (ATen's grouped GEMM: a loop of MKL calls)
+    bfloat16 oneDNN         3.2           5.6    15.0   (F.linear and _grouped_mm within 3%)
+MKL's float32 GEMM of a few rows spends much of its time packing the weight (perf: 40% of a
+32-token prompt in `mkl_blas_def_sgemm_scopy_right16_bdz`).
+
+Registered on import: the models import this to trace, the runtime's region loaders before they
+load a region that calls it.
+"""
+
+import torch
+
+# ATen's int8 kernel takes a row at a time (its time grows with the rows); from this many rows a
+# bfloat16 GEMM on the weight decoded first is faster (bench/quantized_matmul_bench.py --rows, an
+# MLP's [2048, 768] on an AMD EPYC: 64 rows 1.50 vs 1.00 ms, 128 2.74 vs 1.34, 512 10.9 vs 4.6; 32
+# rows 0.72 vs 0.65, 4 rows 0.09 vs 0.39). IntLinear's products in the regions choose by the same
+# rule (models/int_weights.py).
+DECODED_FROM_ROWS = 64
+
+
+def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, in] bfloat16 times int8 codes [out, in] with their row scales [out] -> [M, out] bfloat16."""
+    if x.shape[0] >= DECODED_FROM_ROWS:
+        return torch.nn.functional.linear(x, codes.to(torch.bfloat16) * scales[:, None])
+    return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, in] @ w [out, in].T, through oneDNN where ATen has it."""
+    if torch.backends.mkldnn.is_available() and x.is_contiguous() and w.is_contiguous():
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return torch.nn.functional.linear(x, w)
+
+
+def per_expert(x: torch.Tensor, ends: torch.Tensor, features: int, product) -> torch.Tensor:
+    """[P, features]: product(rows, e) for each expert e's rows of x, zeros past the last."""
+    out = x.new_zeros(x.shape[0], features)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = product(x[start:end], expert)
+        start = end
+    return out
+
+
+@torch.library.custom_op("deepinfer::grouped_matmul", mutates_args=())
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return per_expert(x, ends, w.shape[1], lambda rows, e: linear(rows, w[e]))
+
+
+@torch.library.custom_op("deepinfer::grouped_int8_matmul", mutates_args=())
+def grouped_int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return per_expert(x, ends, codes.shape[1],
+                      lambda rows, e: int8_product(rows.to(torch.bfloat16), codes[e], scales[e]).to(x.dtype))
+
+
+@grouped_matmul.register_fake
+def _(x, w, ends):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@grouped_int8_matmul.register_fake
+def _(x, codes, scales, ends):
+    return x.new_empty(x.shape[0], codes.shape[1])

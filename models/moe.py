@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 import deepinfer.runtime.grouped_matmul  # noqa: F401  (registers torch.ops.deepinfer.grouped_*)
 
-from .int_weights import Halves, Int8Experts
+from .int_weights import Halves, Int8Experts, RowScaled
 
 # Places per expert in the first grouped pass, in multiples of an even share; an expert routed
 # more takes further passes (bench/moe_bench.py counts them).
@@ -139,18 +139,20 @@ def dense(x, weights, local_ids, w_gate_up, w_down, activation):
 def product(equation: str, x, w):
     """torch.einsum(equation, x, w) over x's last dim, with the experts' weights w as
     models/int_weights.py gives them: int4 experts' Halves (the weights of the first and second
-    half of the input columns), each times x's half; Int8Experts, expert by expert
+    half of the input columns), each times x's half; gathered int8 experts' RowScaled (the codes,
+    then the row scales on the result); Int8Experts, expert by expert
     (int_weights.int8_product; the equation's `e`: the expert axis of x, if it has one, and of the
-    output)."""
-    if isinstance(w, Halves):  # (x in the dtype the weights are decoded to: bf16 for a prompt chunk's GEMMs)
-        xw, half = x.to(w.low.dtype), x.shape[-1] // 2
-        return (torch.einsum(equation, xw[..., :half], w.low).to(x.dtype)
-                + torch.einsum(equation, xw[..., half:], w.high).to(x.dtype))
+    output). A weight in another dtype (bf16 for a prompt chunk's GEMMs) takes x in its dtype."""
+    if isinstance(w, Halves):
+        half = x.shape[-1] // 2
+        return product(equation, x[..., :half], w.low) + product(equation, x[..., half:], w.high)
+    if isinstance(w, RowScaled):
+        return product(equation, x, w.values) * w.scales
     if isinstance(w, Int8Experts):
         x_axes, out_axes = equation.split(",")[0], equation.split("->")[1]
         per_expert = [w.matmul(x.select(x_axes.index("e"), e) if "e" in x_axes else x, e) for e in range(w.shape[0])]
         return torch.stack(per_expert, dim=out_axes.index("e"))
-    return torch.einsum(equation, x, w)
+    return torch.einsum(equation, x.to(w.dtype), w).to(x.dtype)
 
 
 def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):

@@ -219,8 +219,10 @@ def expert_weights(module: nn.Module, name: str, dtype: torch.dtype, quantizatio
         picked = scales if ids is None else scales[ids]
         if int_codes and ids is None and w.dtype == torch.int8:
             return int_weights.Int8Experts(w, picked)
+        if int_codes and ids is not None:
+            return int_weights.gathered_values(w, picked, dtype)
         if int_codes:  # (every expert, for a prompt chunk's products: in bf16, for its GEMM)
-            return int_weights.stacked_values(w, picked, dtype if ids is not None else torch.bfloat16)
+            return int_weights.stacked_values(w, picked, torch.bfloat16)
         return dequantize(w, picked, dtype, quantization.block)
 
     return pick

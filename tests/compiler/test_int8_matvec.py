@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.models.int_weights import IntLinear, IntWeights, int8_codes, stacked_tensors, stacked_values
+from deepinfer.models.int_weights import IntLinear, IntWeights, gathered_values, int8_codes, stacked_tensors
 from deepinfer.models.moe import gathered
 from deepinfer.runtime.grouped_matmul import DECODED_FROM_ROWS
 from tests.compiler.test_gathered_matvec import compiled_code
@@ -32,8 +32,8 @@ def test_int_experts_are_decoded_inside_the_reduction(bits):
     gate_up, down = stacked_tensors(torch.randn(E, 2 * I, D), bits, 32), stacked_tensors(torch.randn(E, D, I), bits, 32)
 
     def routed(x, weights, ids, codes_gate_up, scales_gate_up, codes_down, scales_down):
-        return gathered(x, weights, ids, lambda ids: stacked_values(codes_gate_up[ids], scales_gate_up[ids], x.dtype),
-                        lambda ids: stacked_values(codes_down[ids], scales_down[ids], x.dtype),
+        return gathered(x, weights, ids, lambda ids: gathered_values(codes_gate_up[ids], scales_gate_up[ids], x.dtype),
+                        lambda ids: gathered_values(codes_down[ids], scales_down[ids], x.dtype),
                         lambda gate, up: F.silu(gate) * up)
 
     args = (torch.randn(1, D), torch.rand(1, k), torch.randperm(E)[:k][None], *gate_up, *down)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from .collectives import CollectiveFailed
+from .collectives import CollectiveFailed, remove_segment_files
 from .engine import Engine, Request, check_request
 from .errors import DeepinferError
 from .launch import Leader
@@ -156,8 +156,10 @@ def _print_results(prompts, prompt_ids, results, texts, as_json: bool, load_seco
 
 def _interrupted(signum, frame):
     """Ctrl-C on a multi-rank run: exit at once. The followers die with this process
-    (PR_SET_PDEATHSIG) and the ring has no name on disk. Handled here rather than as a
-    KeyboardInterrupt, which blocking calls inside torch.distributed may swallow or delay."""
+    (PR_SET_PDEATHSIG), the ring has no name on disk, and a collectives segment still waiting for
+    its ranks to open it is unlinked here. Handled here rather than as a KeyboardInterrupt, which
+    blocking calls inside torch.distributed may swallow or delay."""
+    remove_segment_files()
     sys.stderr.write("deepinfer-run: interrupted\n")
     sys.stderr.flush()
     os._exit(130)

@@ -22,6 +22,7 @@ from .shm_collectives import WORKS_HERE, HostGroup, create_segment, segment_path
 _groups: dict[str, "dist.ProcessGroup"] = {}
 _host_of: dict[int, int] = {}  # rank -> host index, when the ranks span several hosts
 _on_host: dict[str, HostGroup] = {}  # the groups that exchange through shared memory
+_segment_files: set = set()  # segment files this process created and has not unlinked yet
 
 
 def set_groups(groups: dict):
@@ -45,6 +46,8 @@ def share_memory_on_hosts(pids: dict[int, int], host_of: dict[int, int]):
             continue
         first, path = ranks[0], segment_path(name, pids[ranks[0]])
         fd = create_segment(path, len(ranks)) if rank == first and knobs.shared_memory_collectives() else None
+        if fd is not None:
+            _segment_files.add(path)
         created = torch.tensor([fd is not None])
         dist.broadcast(created, src=first, group=group)
         if not created.item():
@@ -59,8 +62,17 @@ def share_memory_on_hosts(pids: dict[int, int], host_of: dict[int, int]):
         finally:
             if rank == first:
                 path.unlink(missing_ok=True)
+                _segment_files.discard(path)
         _on_host[name] = HostGroup(fd, ranks, ranks.index(rank), [pids[r] for r in ranks], timeout)
         os.close(fd)  # (the mapping stays)
+
+
+def remove_segment_files():
+    """Unlink the segment files this process created whose ranks had not all opened them yet: for
+    an exit at once (Ctrl-C) in the middle of start-up, which runs no `finally`."""
+    for path in list(_segment_files):
+        path.unlink(missing_ok=True)
+        _segment_files.discard(path)
 
 
 def set_hosts(host_of: dict[int, int]):

@@ -23,10 +23,10 @@ BLAS calls AOTInductor makes for these einsums — weights cache-hot):
                        rows 512: grouped 25.2, dense 186
 Grouping wins from 32 rows on both. The exact form reads the same weights as the grouped one
 for half its FLOPs at capacity 2, and never takes an overflow pass: bench/moe_bench.py compares
-them in bundles, runtime/grouped_matmul.py its kernels. Below that a step is a decode batch, whose cost is reading
-weights from memory, not FLOPs: gathering reads one expert per (row, expert) pair, the dense
-form reads each expert once, and grouping reads each once per pass (an uneven small batch takes
-several), so decode batches keep gathered and dense. Gathering wins while the pairs are at most
+them in bundles, runtime/grouped_matmul.py its kernels. Below 32 rows a step is a decode batch,
+whose cost is reading weights from memory, not FLOPs: gathering reads one expert per (row,
+expert) pair, the dense form reads each expert once, and grouping reads each once per pass (an
+uneven small batch takes several), so decode batches keep gathered and dense. Gathering wins while the pairs are at most
 E (bench/moe_decode_bench.py: compiled by the inductor backend, weights cold, us per layer):
     pairs / E            0.5          1.0          1.5          2.0
     8 experts top-2      863 / 1638   1587 / 2016  2250 / 2208  2952 / 2321   (gathered / dense)
@@ -173,12 +173,12 @@ def grouped_product(x, w, ends):
     """x [P, D] (rows sorted by expert, `ends` [E] where each expert's end) times its expert's
     weight from w as models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype."""
     if isinstance(w, Halves):
-        xw, half = x.to(w.low.dtype), x.shape[-1] // 2
-        return (torch.ops.deepinfer.grouped_matmul(xw[:, :half].contiguous(), w.low, ends).to(x.dtype)
-                + torch.ops.deepinfer.grouped_matmul(xw[:, half:].contiguous(), w.high, ends).to(x.dtype))
+        half = x.shape[-1] // 2
+        return (grouped_product(x[:, :half].contiguous(), w.low, ends)
+                + grouped_product(x[:, half:].contiguous(), w.high, ends))
     if isinstance(w, Int8Experts):
         return torch.ops.deepinfer.grouped_int8_matmul(x, w.codes, w.scales, ends)
-    return torch.ops.deepinfer.grouped_matmul(x, w, ends)
+    return torch.ops.deepinfer.grouped_matmul(x.to(w.dtype), w, ends).to(x.dtype)
 
 
 def expert_places(local_ids, owned, E: int):

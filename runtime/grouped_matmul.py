@@ -33,6 +33,7 @@ import torch
 # rows 0.72 vs 0.65, 4 rows 0.09 vs 0.39). IntLinear's products in the regions choose by the same
 # rule (models/int_weights.py).
 DECODED_FROM_ROWS = 64
+ONEDNN = torch.backends.mkldnn.is_available()  # (asked once: the float kernel runs per expert per step)
 
 
 def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,7 @@ def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, in] @ w [out, in].T, through oneDNN where ATen has it."""
-    if torch.backends.mkldnn.is_available() and x.is_contiguous() and w.is_contiguous():
+    if ONEDNN and x.is_contiguous() and w.is_contiguous():
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return torch.nn.functional.linear(x, w)
 

@@ -3,6 +3,7 @@ bfloat16, int8 and int4 bundles (recipe model.quantize) against llama.cpp's f32,
 
     .venv/bin/python bench/cpu_decode_bench.py                    # ~40 minutes cold (llama.cpp's build ~15 of them)
     .venv/bin/python bench/cpu_decode_bench.py --models tiny-v3-code
+    .venv/bin/python bench/cpu_decode_bench.py --models 190m --formats int4     # one pair
 
 Two models: the trained tiny DeepSeek-V3 (checkpoints/tiny-v3-code, 4.7M parameters: fixed costs
 dominate) and a ~190M-parameter DeepSeek-V3 of random weights saved as an HF checkpoint (vocab
@@ -117,16 +118,16 @@ MEASURES = {"TPOT 32": (lambda e: decode_ms(e, 32), lambda l, g: l.bench(g, dept
             "TTFT 512": (lambda e: prefill_ms(e, 512), lambda l, g: l.bench(g, prompt=512))}
 
 
-def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, bandwidth: float):
+def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, bandwidth: float, formats: list[str]):
     print(f"\n{name}: compiling and converting", flush=True)
     sides = {}
-    for ours, (dtype, quantize, theirs) in PAIRS.items():
+    for ours, (dtype, quantize, theirs) in ((f, PAIRS[f]) for f in formats):
         executor, summary = our_bundle(checkpoint, f"{name}-{ours}", dtype, quantize, work)
         gguf = llama.convert(checkpoint, work / f"{name}-{theirs}.gguf", theirs)
         sides[ours] = (executor, gguf, summary)
     for executor, _, _ in sides.values():  # warm
         decode_ms(executor, 32)
-    times = {(ours, m): ([], []) for ours in PAIRS for m in MEASURES}
+    times = {(ours, m): ([], []) for ours in formats for m in MEASURES}
     for _ in range(ROUNDS):
         for ours, (executor, gguf, _) in sides.items():
             for measure, (mine, theirs) in MEASURES.items():
@@ -135,7 +136,6 @@ def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, bandwi
     print(f"\n{name}, ms (median of {ROUNDS} rounds), 2 threads; floor = weight bytes a token reads / {bandwidth:.1f} GB/s")
     print("| weights | measure | deepinfer | llama.cpp | ratio | floor | deepinfer / floor |")
     print("|---|---|---|---|---|---|---|")
-    f32_tpot = statistics.median(times["float32", "TPOT 32"][0])
     for ours, (_, _, summary) in sides.items():
         floor = summary.decode_bytes / bandwidth / 1e6
         for measure in MEASURES:
@@ -143,13 +143,15 @@ def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, bandwi
             floored = measure.startswith("TPOT")
             print(f"| {ours} / {PAIRS[ours][2]} | {measure} | {mine:.3f} | {theirs:.3f} | {mine / theirs:.2f} | "
                   f"{f'{floor:.3f}' if floored else ''} | {f'{mine / floor:.2f}' if floored else ''} |", flush=True)
-    int8 = statistics.median(times["int8", "TPOT 32"][0])
-    print(f"\nint8 TPOT at 32 / our float32's: {int8 / f32_tpot:.2f}")
+    if "int8" in formats and "float32" in formats:
+        int8, f32 = (statistics.median(times[f, "TPOT 32"][0]) for f in ("int8", "float32"))
+        print(f"\nint8 TPOT at 32 / our float32's: {int8 / f32:.2f}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny-v3-code", "190m"], choices=["tiny-v3-code", "190m"])
+    parser.add_argument("--formats", nargs="+", default=list(PAIRS), choices=list(PAIRS), help="our weights, each against llama.cpp's at its width")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "deepinfer-bench" / "cpu-decode")
     parser.add_argument("--llama-cpp", type=Path, default=Path.home() / ".cache" / "deepinfer-bench" / "llama.cpp")
     args = parser.parse_args()
@@ -163,7 +165,7 @@ def main():
           f"{bandwidth:.1f} GB/s (2 threads)")
     for name in args.models:
         checkpoint = TINY if name == "tiny-v3-code" else random_checkpoint(args.work / "hf-190m")
-        bench_model(name, checkpoint, llama, args.work, bandwidth)
+        bench_model(name, checkpoint, llama, args.work, bandwidth, args.formats)
 
 
 if __name__ == "__main__":

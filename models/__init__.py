@@ -27,7 +27,7 @@ from .deepseek_v4 import DeepseekV4
 from .deepseek_v4_config import TINY_V4_CONFIG, DeepseekV4Config
 from .moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from .parallel import Layout, LayoutError
-from .int_weights import BITS, GROUPS, IntWeights, packed_for, quantized, source_name
+from .int_weights import BITS, GROUPS, IntWeights, quantized, source_name
 from .quantization import BLOCK, FP4, FP4_GROUP, FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -135,7 +135,7 @@ def int_weights_spec(quantize: str, group: int, head: bool) -> IntWeights:
         raise ConfigError(f"model.quantize={quantize!r}: choose one of {list(BITS)} (or leave it out for the recipe's dtype).")
     if group not in GROUPS:
         raise ConfigError(f"model.quantize_group={group}: int4 groups of {' / '.join(map(str, GROUPS))} inputs share a scale.")
-    return IntWeights(BITS[quantize], group, head, packed_for() if BITS[quantize] == 4 else None)
+    return IntWeights(BITS[quantize], group, head)
 
 
 def model_from_config(arch: str, cfg, checkpoint, seed: int, dtype: str, device: str = "cpu", layout: Layout = Layout()):

@@ -216,13 +216,13 @@ def expert_weights(module: nn.Module, name: str, dtype: torch.dtype, quantizatio
         w = weight if ids is None else weight[ids]
         if scales is None:
             return w
+        if int_codes and weight.dtype != torch.int8:  # int4: the kernel takes the stack and the ids
+            return int_weights.Int4Experts(weight, scales, ids)
         picked = scales if ids is None else scales[ids]
-        if int_codes and ids is None and w.dtype == torch.int8:
+        if int_codes and ids is None:
             return int_weights.Int8Experts(w, picked)
-        if int_codes and ids is not None:
+        if int_codes:
             return int_weights.gathered_values(w, picked, dtype)
-        if int_codes:  # (every expert, for a prompt chunk's products: in bf16, for its GEMM)
-            return int_weights.stacked_values(w, picked, torch.bfloat16)
         return dequantize(w, picked, dtype, quantization.block)
 
     return pick

@@ -22,7 +22,7 @@ from .host_memory import keep_freed_memory
 from .manifest import read_key, read_manifest
 from .step import STEP_FIELDS, Step, copy_state
 from .trust import Trust
-from .versions import packing_problem, toolchain_versions
+from .versions import layout_problem, toolchain_versions
 from .weights import tensors_of
 
 
@@ -231,7 +231,7 @@ def admit(bundle: Path, rank: int, trust: Trust):
         problem = module.host_problem(manifest.toolchain) if hasattr(module, "host_problem") else None
         if problem:
             raise BundleError(f"{where}: rank {rank}: {problem}")
-    problem = packing_problem(manifest.model_config)
+    problem = layout_problem(manifest.model_config)
     if problem:
         raise BundleError(f"{where}: rank {rank}: {problem}")
     return manifest, loaders

@@ -2,6 +2,7 @@
 
     torch.ops.deepinfer.grouped_matmul(x, w, ends)                    # float experts w [E, F, D]
     torch.ops.deepinfer.grouped_int8_matmul(x, codes, scales, ends)   # int8 codes [E, F, D], scales [E, F]
+    torch.ops.deepinfer.grouped_int4_matmul(x, codes, scale_zero, ends)  # int4 (runtime/int4_matmul.py)
 
 x [P, D]: the (token, expert) pairs' rows, sorted by expert; ends [E] int32: where each expert's
 rows end (cumulative). The result [P, F] holds expert e's rows times its weight transposed; rows
@@ -11,7 +12,7 @@ Why ops: how many rows each expert takes is known only when the step runs. A sta
 give every expert a fixed capacity (models/moe.py's grouped form: twice the routed FLOPs at the
 default capacity 2, and further passes when routing is uneven). The kernels loop over the experts
 here, one product each: oneDNN's linear for float weights (where ATen has oneDNN), `int8_product`
-for int8 ones. Measured against the alternatives (16 experts [1280, 1024], rows routed evenly at
+for int8 ones, `int4_product` for int4 ones. Measured against the alternatives (16 experts [1280, 1024], rows routed evenly at
 random, eager, ms; an AMD EPYC, 2 threads):
                       32 rows x top-4    128     512
     float32  oneDNN         6.2          11.6    28.7
@@ -27,6 +28,8 @@ load a region that calls it.
 
 import torch
 
+from . import int4_matmul
+
 # ATen's int8 kernel takes a row at a time (its time grows with the rows); from this many rows a
 # bfloat16 GEMM on the weight decoded first is faster (bench/quantized_matmul_bench.py --rows, an
 # MLP's [2048, 768] on an AMD EPYC: 64 rows 1.50 vs 1.00 ms, 128 2.74 vs 1.34, 512 10.9 vs 4.6; 32
@@ -41,6 +44,15 @@ def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     if x.shape[0] >= DECODED_FROM_ROWS:
         return torch.nn.functional.linear(x, codes.to(torch.bfloat16) * scales[:, None])
     return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+
+
+def int4_product(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times int4 codes [out, in/2] -> [M, out] float32: by the int4 kernel for a few rows,
+    else by a bfloat16 GEMM on the weight decoded (int4_matmul.DECODED_FROM_ROWS; F.linear, which
+    a region's graph can hold: ATen sends bf16 to oneDNN)."""
+    if x.shape[0] >= int4_matmul.DECODED_FROM_ROWS:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes, scale_zero)).float()
+    return torch.ops.deepinfer.int4_matmul(x.float().contiguous(), codes, scale_zero, None).squeeze(1)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -72,6 +84,11 @@ def grouped_int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
                       lambda rows, e: int8_product(rows.to(torch.bfloat16), codes[e], scales[e]).to(x.dtype))
 
 
+@torch.library.custom_op("deepinfer::grouped_int4_matmul", mutates_args=())
+def grouped_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return per_expert(x, ends, codes.shape[1], lambda rows, e: int4_product(rows, codes[e], scale_zero[e]).to(x.dtype))
+
+
 @grouped_matmul.register_fake
 def _(x, w, ends):
     return x.new_empty(x.shape[0], w.shape[1])
@@ -79,4 +96,9 @@ def _(x, w, ends):
 
 @grouped_int8_matmul.register_fake
 def _(x, codes, scales, ends):
+    return x.new_empty(x.shape[0], codes.shape[1])
+
+
+@grouped_int4_matmul.register_fake
+def _(x, codes, scale_zero, ends):
     return x.new_empty(x.shape[0], codes.shape[1])

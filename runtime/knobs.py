@@ -65,6 +65,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"
 
 
+def kernel_march() -> str:
+    """DEEPINFER_KERNEL_MARCH: the -march the kernels built on the host (runtime/int4_matmul.cpp)
+    are compiled for: native (the default: this CPU), or e.g. haswell (AVX2) or x86-64 (none)."""
+    return os.environ.get("DEEPINFER_KERNEL_MARCH") or "native"
+
+
 def pjrt_recompile() -> bool:
     """DEEPINFER_PJRT_RECOMPILE=1: a pjrt region compiled for another plugin version is compiled
     here from the bundle's StableHLO at load (instead of refused)."""

@@ -5,6 +5,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from .int4_matmul import LAYOUT
+
 
 def toolchain_versions() -> dict:
     try:
@@ -15,15 +17,14 @@ def toolchain_versions() -> dict:
     return {"torch": torch.__version__, "python": python, "deepinfer": ours}
 
 
-def packing_problem(model_config: dict) -> str | None:
-    """int4 weights (model.quantize: int4) are packed for the CPU kernel ATen picked where they
-    were written (AVX-512 and AVX2 lay the codes out differently), recorded in the model config's
-    quantization_config.packed_for; ATen here must pick the same one, or it reads them wrong."""
+def layout_problem(model_config: dict) -> str | None:
+    """int4 weights (model.quantize: int4) must be in the layout this runtime's kernel reads
+    (runtime/int4_matmul.LAYOUT, recorded as quantization_config.int4_layout): a bundle written
+    by an earlier deepinfer holds them packed for ATen's kernel instead."""
     quantization = model_config.get("quantization_config") or {}
-    wanted, here = quantization.get("packed_for"), torch.backends.cpu.get_cpu_capability()
-    if wanted is None or wanted == here:
+    if quantization.get("weights") != "int4" or quantization.get("int4_layout") == LAYOUT:
         return None
-    return (f"its int4 weights are packed for ATen's {wanted} kernel (manifest model_config.quantization_config.packed_for), "
-            f"and ATen picks its {here} kernel on this host: it would read them wrong. Compile the recipe (or run "
-            f"`deepinfer-compile weights`) on a host like this one, or run where ATen picks {wanted} "
-            f"(ATEN_CPU_CAPABILITY={wanted.lower()} holds a newer CPU to it).")
+    found = quantization.get("int4_layout") or f"ATen's, packed for its {quantization.get('packed_for')} kernel"
+    return (f"its int4 weights are in the layout {found} (manifest model_config.quantization_config.int4_layout), "
+            f"and this deepinfer's int4 kernel reads {LAYOUT}: it would read them wrong. Compile the recipe again "
+            f"with this deepinfer.")

@@ -1,0 +1,153 @@
+"""4-bit weights times activations: the custom op the regions call for int4 linears and experts.
+
+    torch.ops.deepinfer.int4_matmul(x, codes, scale_zero, None)  # a linear: codes [rows, in/2] -> [X, 1, rows]
+    torch.ops.deepinfer.int4_matmul(x, codes, scale_zero, ids)   # experts [E, rows, in/2], ids [X, k] -> [X, k, rows]
+    torch.ops.deepinfer.int4_values(codes, scale_zero)           # the weights in bfloat16 [..., rows, in]
+
+x [X, in] float32. Codes (LAYOUT): bytes [..., rows, in/2], byte 32c + i holding column 64c + i in
+its low nibble and column 64c + 32 + i in its high one; q in 0..15, w = (q - 8) * scale + zero,
+bfloat16 (scale, zero) [..., rows, in/group, 2]. With ids, x row p is multiplied by expert
+ids[p, j]'s weight for each j (zeros for an id outside [0, E): a pair another rank computes).
+
+How: as llama.cpp's q4_0 x q8_0, the activations are quantized to int8 per block of 32 (scale
+amax / 127) and multiplied by the nibbles with integer dot products (AVX-512 VNNI, else AVX2's
+maddubs), a float multiply-add per block for the scales, the zeros applied once per group to the
+group's sum of x (q - 8 in integers: the sum of a block's activation codes, once per row). A 4-bit decode step reads the bytes at the memory's rate this way; decoding each
+nibble to float first (inductor's loops, ATen's `_weight_int4pack_mm_for_cpu`) costs more
+arithmetic than the bytes take to arrive (bench/quantized_matmul_bench.py).
+
+A prompt chunk's products of many rows are GEMMs on the weights decoded by `int4_values` (the
+same expression in inductor's loops wrote 0.8 GB/s of bfloat16: the two nibbles of a byte land 32
+columns apart).
+
+The kernels (int4_matmul.cpp) are compiled on the host that runs it, for its CPU (-march=native),
+once per source, torch and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels, ~2 s); it
+uses torch's own threads. Where no C++ compiler works, `reference` (the same arithmetic in torch,
+slower) runs instead, with a warning.
+"""
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import knobs
+
+LAYOUT = "int4-pairs-of-32"  # the manifest's quantization_config.int4_layout for the layout above
+BLOCK = 32  # activation columns sharing an int8 scale
+# From this many rows a product is faster as a bfloat16 GEMM on the weight decoded by int4_values
+# (a [2816, 1024] weight, 2 threads, an AMD EPYC, ms, the kernel / decoding + oneDNN's GEMM:
+# 8 rows 0.30 / 0.26 + 0.15, 16 rows 0.67 / 0.38 + 0.15, 32 rows 1.29 / 0.56 + 0.15).
+DECODED_FROM_ROWS = 16
+SOURCE = Path(__file__).with_name("int4_matmul.cpp")
+log = logging.getLogger(__name__)
+
+torch.library.define("deepinfer::int4_matmul", "(Tensor x, Tensor codes, Tensor scale_zero, Tensor? ids) -> Tensor")
+torch.library.define("deepinfer::int4_values", "(Tensor codes, Tensor scale_zero) -> Tensor")
+
+
+@torch.library.register_fake("deepinfer::int4_matmul")
+def _(x, codes, scale_zero, ids):
+    return x.new_empty(x.shape[0], 1 if ids is None else ids.shape[1], codes.shape[-2])
+
+
+@torch.library.register_fake("deepinfer::int4_values")
+def _(codes, scale_zero):
+    return codes.new_empty(*codes.shape[:-1], 2 * codes.shape[-1], dtype=torch.bfloat16)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Codes q [..., in] in 0..15 (in a multiple of 64) -> bytes [..., in/2] in LAYOUT."""
+    pairs = q.to(torch.uint8).unflatten(-1, (-1, 2, 32))  # [..., in/64, (low, high), 32]
+    return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).flatten(-2)
+
+
+def unpack(codes: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., in/2] in LAYOUT -> codes [..., in] as float32. (The high nibble is (byte & 0xF0)
+    / 16: vectorized loops shift 8-bit lanes in emulation.)"""
+    chunks = codes.unflatten(-1, (-1, 32))
+    low, high = (chunks & 0xF).to(torch.float32), (chunks & 0xF0).to(torch.float32) * 0.0625
+    return torch.stack([low, high], dim=-2).flatten(-3)
+
+
+def values(codes: torch.Tensor, scale_zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes [..., rows, in/2] and (scale, zero) [..., rows, in/group, 2] -> weights [..., rows, in] in dtype."""
+    grouped = unpack(codes).unflatten(-1, (scale_zero.shape[-2], -1)) - 8
+    scale, zero = scale_zero.float().unbind(-1)
+    return (grouped * scale[..., None] + zero[..., None]).flatten(-2).to(dtype)
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in torch (activations quantized the same way): where it cannot be built, and for tests."""
+    if ids is None:
+        codes, scale_zero, ids = codes[None], scale_zero[None], x.new_zeros(x.shape[0], 1, dtype=torch.int64)
+    (X, width), k, rows, groups = x.shape, ids.shape[1], codes.shape[1], scale_zero.shape[-2]
+    blocks = x.float().view(X, -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    activation = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0))  # [X, in/32, 32] int8 values
+    block_scale = (amax / 127).squeeze(-1)  # [X, in/32]
+    group_sum = x.float().view(X, groups, -1).sum(-1)  # [X, groups]
+    out = x.new_zeros(X, k, rows, dtype=torch.float32)
+    for expert in ids.unique().tolist():
+        if not 0 <= expert < codes.shape[0]:
+            continue
+        p, j = (ids == expert).nonzero(as_tuple=True)
+        centred = unpack(codes[expert]).view(rows, -1, BLOCK) - 8  # [rows, in/32, 32]
+        scale, zero = scale_zero[expert].float().unbind(-1)  # [rows, groups]
+        dots = torch.einsum("pbi,rbi->prb", activation[p], centred)  # exact integers in float32
+        per_block = scale.repeat_interleave(width // groups // BLOCK, dim=-1)  # [rows, in/32]
+        zeros = group_sum[p] @ zero.T  # [pairs, rows]
+        out[p, j] = (dots * per_block * block_scale[p][:, None]).sum(-1) + zeros
+    return out
+
+
+def _host_key(command: list[str]) -> str:
+    """What the built kernel depends on: its source, torch, the compiler, its flags and this CPU's features."""
+    cpu = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
+    parts = [SOURCE.read_bytes(), torch.__version__, version, " ".join(command), cpu, os.uname().machine]
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:20]
+
+
+def _build() -> Path:
+    """The kernel library for this host, compiled into the cache unless there already."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++ on PATH, or CXX)")
+    torch_dir = Path(torch.__file__).parent
+    command = [compiler, "-O3", f"-march={knobs.kernel_march()}", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+               f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
+               f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    target = knobs.cache_dir() / "kernels" / f"int4_matmul-{_host_key(command)}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # (ranks may build at once: each renames its own)
+        built = Path(scratch) / target.name
+        command += ["-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"`{' '.join(command)}` failed:\n{result.stderr[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def _register() -> bool:
+    """Load the built kernel as the op's CPU implementation; the reference if it cannot be built."""
+    try:
+        torch.ops.load_library(str(_build()))
+        return True
+    except (OSError, RuntimeError) as error:
+        log.warning("deepinfer: the int4 kernel could not be built here, so int4 weights run through its torch "
+                    "reference, several times slower (%s). Install g++ (or set CXX) for the fast kernel.", error)
+        torch.library.impl("deepinfer::int4_matmul", "CPU")(reference)
+        torch.library.impl("deepinfer::int4_values", "CPU")(lambda codes, scale_zero: values(codes, scale_zero, torch.bfloat16))
+        return False
+
+
+KERNEL_BUILT = _register()

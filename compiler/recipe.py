@@ -240,8 +240,8 @@ def _check_quantize(model: dict, backend: str, fail):
         fail("model.quantize_group", f"{model['quantize_group']}: int4 groups of {' / '.join(map(str, INT4_GROUPS))} inputs "
              "share a scale (32 is llama.cpp's q4_0 block; 128 reads fewer scales).")
     if backend in BACKENDS and not getattr(backend_module(backend), "INT_WEIGHTS", False):
-        fail("model.quantize", f"the {backend} backend cannot compile int8/int4 weights: their products are ATen's CPU "
-             "kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu). Use backend inductor or export, or drop model.quantize.")
+        fail("model.quantize", f"the {backend} backend cannot compile int8/int4 weights: their products are CPU kernels "
+             "(ATen's _weight_int8pack_mm, our deepinfer::int4_matmul). Use backend inductor or export, or drop model.quantize.")
 
 
 def _check_cp(parallel: dict, arch: str, buckets: dict, contexts: dict, max_len: int, fail):

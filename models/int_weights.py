@@ -19,12 +19,13 @@ recipe's dtype.
           codes two a byte, [..., out, in/2] in runtime/int4_matmul.py's LAYOUT (recorded in the
           manifest's quantization_config.int4_layout), the same for linears and stacked experts.
           Computed by our kernel `deepinfer::int4_matmul` (activations quantized to int8 blocks,
-          integer dot products: ATen's `_weight_int4pack_mm_for_cpu` decodes each nibble to float
-          and reads 20 GB/s where the kernel reads 33), which also takes a decode step's experts
-          by id, without gathering them; from DECODED_FROM_ROWS rows a row (prompt chunks) by a
-          bfloat16 GEMM on the weight decoded first.
-    A layer whose shape a layout does not fit (int4: inputs a multiple of 64 and of the group) is
-    int8 instead, as llama.cpp falls back to another type for rows its blocks do not divide.
+          integer dot products; ATen's `_weight_int4pack_mm_for_cpu` decodes each nibble to float:
+          the 190M's [2816, 1024] weights, one row, cache-warm, 22 GB/s against the kernel's 37),
+          which also takes a decode step's experts by id, without gathering them; from
+          int4_matmul.DECODED_FROM_ROWS rows (prompt chunks) by a bfloat16 GEMM on the weight
+          decoded first.
+    A layer whose shape a layout does not fit (int4 needs inputs a multiple of 64 and of the
+    group) is int8 instead, as llama.cpp falls back to another type for rows its blocks do not divide.
 
 Everything is quantized from the rank's float slice, so a rank's codes are those of the whole
 weight cut the same way: int4's groups never straddle ranks (checked), and int8's scale of a

@@ -140,10 +140,10 @@ def dense(x, weights, local_ids, w_gate_up, w_down, activation):
 def product(equation: str, x, w):
     """torch.einsum(equation, x, w) over x's last dim, with the experts' weights w as
     models/int_weights.py gives them: int4 experts by deepinfer::int4_matmul (int4_product);
-    gathered int8 experts' RowScaled (the codes, then the
-    row scales on the result); Int8Experts, expert by expert (int_weights.int8_product; the
-    equation's `e`: the expert axis of x, if it has one, and of the output). A weight in another
-    dtype (bf16 for a prompt chunk's GEMMs) takes x in its dtype."""
+    gathered int8 experts' RowScaled (the codes, then the row scales on the result); Int8Experts,
+    expert by expert (int_weights.int8_product; the equation's `e`: the expert axis of x, if it
+    has one, and of the output). A weight in another dtype (bf16 for a prompt chunk's GEMMs)
+    takes x in its dtype."""
     if isinstance(w, Int4Experts):
         return int4_product(equation, x, w)
     if isinstance(w, RowScaled):
@@ -160,7 +160,8 @@ def int4_product(equation: str, x, w: Int4Experts):
     or all E: the dense form) -> [N, k or E, F]; or x [A, B, I] with an expert a row (the pairs of
     a decode step [N, k, I], the dense form's [N, E, I], the grouped form's [E, C, I]) -> [A, B, F].
     A run of rows with the same expert reads its weight once: the dense form's rows go expert by
-    expert. From int4_matmul.DECODED_FROM_ROWS rows an expert, the experts decoded to bfloat16 for GEMMs."""
+    expert. From int4_matmul.DECODED_FROM_ROWS rows an expert, the experts decoded to bfloat16
+    for GEMMs."""
     E, rows = w.codes.shape[:2]
     x_axes = equation.split(",")[0]
     if w.ids is None and (x.shape[0] if x.dim() == 2 else x[..., 0].numel() // E) >= DECODED_FROM_ROWS:
@@ -197,9 +198,8 @@ def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):
 
 
 def grouped_product(x, w, ends):
-    """x [P, D] (rows sorted by expert, `ends` [E] where each expert's rows end)
-    times its expert's weight from w as models/int_weights.py gives them (see `product`) -> [P, F]
-    in x's dtype."""
+    """x [P, D] (rows sorted by expert, `ends` [E] where each expert's rows end) times its
+    expert's weight from w as models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype."""
     if isinstance(w, Int4Experts):
         return torch.ops.deepinfer.grouped_int4_matmul(x, w.codes, w.scale_zero, ends)
     if isinstance(w, Int8Experts):

@@ -29,7 +29,8 @@ from deepinfer.models.decode_reads import weight_bytes_per_token  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantize": "int8"},
-            "int4 g32": {"quantize": "int4", "quantize_group": 32}, "int4 g128": {"quantize": "int4", "quantize_group": 128}}
+            "int4 g32": {"quantize": "int4", "quantize_group": 32}, "int4 g64": {"quantize": "int4", "quantize_group": 64},
+            "int4 g128": {"quantize": "int4", "quantize_group": 128}}
 
 
 def heldout_stream(checkpoint: Path) -> torch.Tensor:

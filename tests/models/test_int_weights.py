@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
 from deepinfer.compiler.build import compile_recipe
@@ -16,7 +17,7 @@ from deepinfer.compiler.recipe import RecipeError, load_recipe
 from deepinfer.models import build_model
 from deepinfer.runtime.errors import BundleError
 from deepinfer.runtime.executor import BundleExecutor
-from tests.conftest import ROOT, write_recipe
+from tests.conftest import ROOT, TINY_RECIPE, write_recipe
 from tests.models.test_fp8_checkpoint import run_tokens
 
 CHECKPOINT = ROOT / "checkpoints" / "tiny-v3-code"
@@ -113,11 +114,16 @@ def test_int4_weights_in_another_layout_are_refused(code_bundles, tmp_path):
         BundleExecutor(bundle)
 
 
-def test_world_size_2_generates_what_world_size_1_does(tmp_path, cache_dir):
-    """tp 2 (o_proj and down_proj cut by columns: their int8 scales are the whole rows') and ep 2."""
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_world_size_2_generates_what_world_size_1_does(tmp_path, cache_dir, quantize):
+    """tp 2 (o_proj and down_proj cut by columns: their int8 scales are the whole rows', their int4
+    groups whole) and ep 2 (int4: the kernel takes the other rank's experts as none). v_head_dim
+    32: o_proj's 128 inputs, 64 a rank, stay int4 at tp 2 (a rank slice int4 cannot take is int8,
+    which would change the tokens)."""
+    config = {**yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"], "v_head_dim": 32}
     bundles = {}
     for world in (1, 2):
-        recipe = write_recipe(tmp_path, f"int8-ws{world}", model={"quantize": "int8"}, backend={"name": "export"},
+        recipe = write_recipe(tmp_path, f"{quantize}-ws{world}", model={"quantize": quantize, "config": config}, backend={"name": "export"},
                               parallel={"world_size": world, "tp": world, "ep": world},
                               methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}})
         bundles[world] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle

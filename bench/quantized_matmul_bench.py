@@ -64,9 +64,9 @@ def kernels(n: int, k: int, rows: int) -> tuple[dict, dict]:
     for group in (32, 128):
         q, scale_zero = int4_codes(w, group)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # (ATen's layout)
-        aten_scales, ours = scale_zero.transpose(0, 1).contiguous(), int4_matmul.pack(q)
+        aten_scales, ours = scale_zero.transpose(0, 1).contiguous(), int4_matmul.pack(q, scale_zero)
         runs[f"int4 g{group} ATen"] = lambda p=packed, g=group, s=aten_scales: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, s)
-        runs[f"int4 g{group} ours"] = lambda c=ours, s=scale_zero: torch.ops.deepinfer.int4_matmul(x, c, s, None).squeeze(1)
+        runs[f"int4 g{group} ours"] = lambda c=ours: torch.ops.deepinfer.int4_matmul(x, *c, None).squeeze(1)
         sizes[f"int4 g{group} ATen"] = sizes[f"int4 g{group} ours"] = w.numel() // 2 + scale_zero.numel() * 2
     errors = {name: float((fn().float() - reference).abs().max() / reference.abs().max()) for name, fn in runs.items()}
     return runs, {name: (sizes[name], errors[name]) for name in runs}
@@ -90,7 +90,7 @@ def aot_inductor(n: int, k: int):
     runs = {}
     work = Path(tempfile.mkdtemp(prefix="quantized-bench-"))
     for name, module, args in (("int8", Int8(), (x, codes, scale.bfloat16())),
-                               ("int4 g32", Int4(), (x, int4_matmul.pack(q), scale_zero))):
+                               ("int4 g32", Int4(), (x, *int4_matmul.pack(q, scale_zero)))):
         start = time.perf_counter()
         package = torch._inductor.aoti_compile_and_package(torch.export.export(module, args), package_path=str(work / f"{name}.pt2"))
         compiled = torch._inductor.aoti_load_package(package)

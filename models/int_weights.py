@@ -16,16 +16,17 @@ recipe's dtype.
           DECODED_FROM_ROWS rows (prompt chunks) by a bfloat16 GEMM on the weight decoded first.
     int4  per group of `group` inputs, asymmetric: q in 0..15 with w = (q - 8) x scale + zero
           (zero = min + 8 x scale), bfloat16 (scale, zero) per group, [..., out, in/group, 2]; the
-          codes two a byte, [..., out, in/2] in runtime/int4_matmul.py's LAYOUT (recorded in the
-          manifest's quantization_config.int4_layout), the same for linears and stacked experts.
+          codes two a byte, [..., out, in/2]; both with rows of 8 interleaved, runtime/int4_matmul.py's
+          LAYOUT (recorded in the manifest's quantization_config.int4_layout), the same for
+          linears and stacked experts.
           Computed by our kernel `deepinfer::int4_matmul` (activations quantized to int8 blocks,
           integer dot products; ATen's `_weight_int4pack_mm_for_cpu` decodes each nibble to float:
-          the 190M's [2816, 1024] weights, one row, cache-warm, 22 GB/s against the kernel's 37),
+          a [32000, 768] LM head, one row, 1.41 ms against the kernel's 0.59, the memory's floor),
           which also takes a decode step's experts by id, without gathering them; from
           int4_matmul.DECODED_FROM_ROWS rows (prompt chunks) by a bfloat16 GEMM on the weight
           decoded first.
-    A layer whose shape a layout does not fit (int4 needs inputs a multiple of 64 and of the
-    group) is int8 instead, as llama.cpp falls back to another type for rows its blocks do not divide.
+    A layer whose shape a layout does not fit (int4 needs inputs a multiple of the group, outputs
+    of 8) is int8 instead, as llama.cpp falls back to another type for rows its blocks do not divide.
 
 Everything is quantized from the rank's float slice, so a rank's codes are those of the whole
 weight cut the same way: int4's groups never straddle ranks (checked), and int8's scale of a
@@ -83,10 +84,10 @@ def int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, torch.stack([scale, zero], dim=-1).bfloat16()
 
 
-def layer_bits(dim_in: int, spec: IntWeights) -> int:
-    """int4 where the layout takes the inputs (a multiple of 64 and of the group), else int8 (as
-    llama.cpp falls back to another type for rows its blocks do not divide)."""
-    return 4 if spec.bits == 4 and dim_in % 64 == 0 and dim_in % spec.group == 0 else 8
+def layer_bits(dim_in: int, dim_out: int, spec: IntWeights) -> int:
+    """int4 where the layout takes the shape (inputs a multiple of the group, outputs of 8), else
+    int8 (as llama.cpp falls back to another type for rows its blocks do not divide)."""
+    return 4 if spec.bits == 4 and dim_in % spec.group == 0 and dim_out % int4_matmul.ROWS == 0 else 8
 
 
 class IntLinear(nn.Module):
@@ -94,7 +95,7 @@ class IntLinear(nn.Module):
 
     def __init__(self, dim_in: int, dim_out: int, spec: IntWeights):
         super().__init__()
-        self.bits = layer_bits(dim_in, spec)
+        self.bits = layer_bits(dim_in, dim_out, spec)
         codes, scales = empty_codes((dim_out, dim_in), self.bits, spec.group)
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_qscale = nn.Parameter(scales, requires_grad=False)
@@ -122,13 +123,12 @@ def int_tensors(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, t
     """A float weight [..., out, in] -> its (codes, scales) as empty_codes lays them out."""
     if bits == 8:
         return int8_codes(w)
-    q, scale_zero = int4_codes(w, group)
-    return int4_matmul.pack(q), scale_zero
+    return int4_matmul.pack(*int4_codes(w, group))
 
 
 def register_stacked(module: nn.Module, name: str, experts: int, rows: int, columns: int, spec: IntWeights):
     """Stacked expert codes `name` [E, rows, ...] and their scales `name_qscale` (empty_codes)."""
-    codes, scales = empty_codes((experts, rows, columns), layer_bits(columns, spec), spec.group)
+    codes, scales = empty_codes((experts, rows, columns), layer_bits(columns, rows, spec), spec.group)
     module.register_parameter(name, nn.Parameter(codes, requires_grad=False))
     module.register_parameter(name + SCALE, nn.Parameter(scales, requires_grad=False))
 

@@ -3,9 +3,10 @@
 // Built on the host that runs it (-march=native) by runtime/int4_matmul.py, which documents the
 // layout and holds the reference this must match.
 //
-// Weights: bytes [rows, in/2]; byte 32c + i holds column 64c + i in its low nibble and column
-// 64c + 32 + i in its high one (so a 32-byte load covers two activation blocks); q in 0..15 with
-// w = (q - 8) * scale + zero, bfloat16 (scale, zero) [rows, in/group, 2].
+// Weights, rows of 8 interleaved (runtime/int4_matmul.py's LAYOUT): bytes [rows/8][in/8][32], byte
+// 4r + i of 8-column unit j holding row r's column 8j + i in its low nibble and 8j + 4 + i in its
+// high one, so that a dot product of 4 bytes lands one row a lane (no sums across lanes); q in
+// 0..15 with w = (q - 8) * scale + zero, bfloat16 (scale, zero) pairs [rows/8][in/group][8].
 // Activations: per block of 32 columns, int8 codes c and a float scale d (amax / 127); per weight
 // group the float sum of x, which the zeros multiply:
 //   sum_i w_i x_i = sum_blocks scale_g * d_b * (sum_i q_i c_i - 8 sum_i c_i) + sum_groups zero_g * xsum_g
@@ -32,10 +33,10 @@ namespace {
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
-constexpr int64_t BLOCK = 32;   // activation columns sharing one int8 scale
-constexpr int64_t CHUNK = 64;   // weight columns in one 32-byte load
-constexpr int64_t ROW_TILE = 16; // weight rows a task takes (its rows stay in L1 over a run of x rows)
-constexpr int64_t PREFETCH_AHEAD = 2048;  // bytes of weights ahead of the one being read
+constexpr int64_t BLOCK = 32;     // activation columns sharing one int8 scale
+constexpr int64_t ROWS = 8;       // weight rows interleaved (one a lane of 8 int32)
+constexpr int64_t UNIT = 8;       // weight columns of one 32-byte load (4 low nibbles, 4 high, a row)
+constexpr int64_t ROW_BLOCKS = 2; // row blocks a task takes (its weights stay in L1 over a run of x rows)
 
 float bits_to_float(uint32_t bits) {
   float f;
@@ -74,12 +75,6 @@ void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, floa
 float scale_of(uint32_t pair) { return bits_to_float(pair << 16); }          // (scale, zero) bfloat16 pair:
 float zero_of(uint32_t pair) { return bits_to_float(pair & 0xFFFF0000u); }  // scale in the low half
 
-// One weight row: bytes [in/2] and (scale, zero) pairs [in/group].
-struct WeightRow {
-  const uint8_t* w;
-  const uint32_t* pairs;
-};
-
 // One quantized activation row: codes [in], block scales [in/32], 8 x block code sums, group sums [in/group].
 struct Activation {
   const int8_t* c;
@@ -88,104 +83,81 @@ struct Activation {
   const float* x_sum;
 };
 
-// Blocks [b, b + 2) (one 32-byte load): sum of (q - 8) * c * w_scale * x_scale, plainly.
-float chunk_dot(const WeightRow& row, const Activation& a, int64_t b, int group_shift) {
-  int32_t low = 0, high = 0;
-  for (int64_t i = 0; i < 32; ++i) {
-    low += int32_t(row.w[b * 16 + i] & 0x0F) * a.c[b * 32 + i];
-    high += int32_t(row.w[b * 16 + i] >> 4) * a.c[b * 32 + 32 + i];
-  }
-  return float(low - a.code_sums[b]) * scale_of(row.pairs[b >> group_shift]) * a.x_scale[b] +
-         float(high - a.code_sums[b + 1]) * scale_of(row.pairs[(b + 1) >> group_shift]) * a.x_scale[b + 1];
-}
-
 #if defined(__AVX2__)
-float horizontal_sum(__m256 v) {
-  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-
-__m256i nibble_dot(__m256i nibbles, const int8_t* c) {
-  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+// acc + each lane's 4 nibbles times the same 4 activation codes.
+__m256i dot4(__m256i acc, __m256i nibbles, const int8_t* c) {
+  int32_t four;
+  std::memcpy(&four, c, 4);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles, codes);
+  return _mm256_dpbusd_epi32(acc, nibbles, _mm256_set1_epi32(four));
 #else  // (pairs of u8 x s8 products fit int16: 15 * 128 * 2)
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles, codes), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles, _mm256_set1_epi32(four)), _mm256_set1_epi16(1)));
 #endif
 }
 
-// One weight row times R activation rows (R <= 4: a run's rows share each load and nibble split).
-// Eight blocks a step: each row's integer dots summed across lanes into one vector (lane b: block
-// b's dot), converted once and scaled by the eight (weight scale x activation scale); the zeros
-// eight groups a step.
+// One row block (8 weight rows: bytes w [in/8][32], pairs [groups][8]) times R activation rows
+// (R <= 4: a run's rows share each load and nibble split) -> out[t][0..8).
 template <int R>
-void row_dots(const WeightRow& row, const Activation* a, int64_t in, int group_shift, float* result) {
-  const int64_t blocks = in / BLOCK, groups = blocks >> group_shift;
+void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, int64_t in, int64_t group, float* const* out) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i group_of_lane = _mm256_srli_epi32(lanes, group_shift);
-  const __m256i pairs_needed = _mm256_cmpgt_epi32(_mm256_set1_epi32(8 >> group_shift), lanes);
+  const __m256 high_halves = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
   __m256 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    // (the weights stream from memory once: ask for the bytes a few rows ahead, which the hardware
-    // prefetcher of one thread's stream fetches too late for the memory's bandwidth)
-    _mm_prefetch(reinterpret_cast<const char*>(row.w + b * 16 + PREFETCH_AHEAD), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row.w + b * 16 + PREFETCH_AHEAD + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row.pairs + (b >> group_shift) + PREFETCH_AHEAD / 16), _MM_HINT_T0);
-    __m256i pair_sums[R][4];  // hadd of the two blocks of each 32-byte load
-    for (int i = 0; i < 4; ++i) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.w + (b + 2 * i) * 16));
-      const __m256i low = _mm256_and_si256(bytes, low_nibbles);
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
-      for (int t = 0; t < R; ++t)
-        pair_sums[t][i] = _mm256_hadd_epi32(nibble_dot(low, a[t].c + (b + 2 * i) * 32), nibble_dot(high, a[t].c + (b + 2 * i) * 32 + 32));
+  for (int64_t g = 0; g < in / group; ++g) {
+    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + g * ROWS));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+    const __m256 zero = _mm256_and_ps(_mm256_castsi256_ps(pair), high_halves);
+    for (int64_t b = g * group / BLOCK; b < (g + 1) * group / BLOCK; ++b) {
+      __m256i low_dots[R], high_dots[R];  // (two chains, as the block's 8 products are dependent)
+      for (int t = 0; t < R; ++t) low_dots[t] = high_dots[t] = _mm256_setzero_si256();
+      for (int64_t j = b * BLOCK / UNIT; j < (b + 1) * BLOCK / UNIT; ++j) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 32));
+        const __m256i low = _mm256_and_si256(bytes, low_nibbles);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+        for (int t = 0; t < R; ++t) {
+          low_dots[t] = dot4(low_dots[t], low, a[t].c + j * UNIT);
+          high_dots[t] = dot4(high_dots[t], high, a[t].c + j * UNIT + 4);
+        }
+      }
+      for (int t = 0; t < R; ++t) {
+        const __m256i centred = _mm256_sub_epi32(_mm256_add_epi32(low_dots[t], high_dots[t]), _mm256_set1_epi32(a[t].code_sums[b]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, _mm256_set1_ps(a[t].x_scale[b])), acc[t]);
+      }
     }
-    const __m256i pairs = _mm256_permutevar8x32_epi32(  // (masked: the last groups of a row are its last bytes)
-        _mm256_maskload_epi32(reinterpret_cast<const int*>(row.pairs + (b >> group_shift)), pairs_needed), group_of_lane);
-    const __m256 w_scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-    for (int t = 0; t < R; ++t) {
-      const __m256i abcd = _mm256_hadd_epi32(pair_sums[t][0], pair_sums[t][1]);
-      const __m256i efgh = _mm256_hadd_epi32(pair_sums[t][2], pair_sums[t][3]);
-      const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(abcd, efgh, 0x20), _mm256_permute2x128_si256(abcd, efgh, 0x31));
-      const __m256i centred = _mm256_sub_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].code_sums + b)));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(w_scale, _mm256_loadu_ps(a[t].x_scale + b)), acc[t]);
-    }
+    for (int t = 0; t < R; ++t) acc[t] = _mm256_fmadd_ps(zero, _mm256_set1_ps(a[t].x_sum[g]), acc[t]);
   }
-  const int64_t tail = b;
-  const __m256 high_halves = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    const __m256 zero = _mm256_and_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(row.pairs + g)), high_halves);
-    for (int t = 0; t < R; ++t) acc[t] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(a[t].x_sum + g), acc[t]);
-  }
-  for (int t = 0; t < R; ++t) {
-    float total = horizontal_sum(acc[t]);
-    for (b = tail; b < blocks; b += 2) total += chunk_dot(row, a[t], b, group_shift);
-    for (int64_t h = g; h < groups; ++h) total += zero_of(row.pairs[h]) * a[t].x_sum[h];
-    result[t] = total;
-  }
+  for (int t = 0; t < R; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 #else
 template <int R>
-void row_dots(const WeightRow& row, const Activation* a, int64_t in, int group_shift, float* result) {
-  for (int t = 0; t < R; ++t) {
-    float total = 0.f;
-    for (int64_t b = 0; b < in / BLOCK; b += 2) total += chunk_dot(row, a[t], b, group_shift);
-    for (int64_t g = 0; g < (in / BLOCK) >> group_shift; ++g) total += zero_of(row.pairs[g]) * a[t].x_sum[g];
-    result[t] = total;
-  }
+void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, int64_t in, int64_t group, float* const* out) {
+  for (int t = 0; t < R; ++t)
+    for (int64_t r = 0; r < ROWS; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < in / group; ++g) {
+        const uint32_t pair = pairs[g * ROWS + r];
+        for (int64_t b = g * group / BLOCK; b < (g + 1) * group / BLOCK; ++b) {
+          int32_t dot = -a[t].code_sums[b];
+          for (int64_t j = b * BLOCK / UNIT; j < (b + 1) * BLOCK / UNIT; ++j)
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t byte = w[j * 32 + 4 * r + i];
+              dot += int32_t(byte & 0x0F) * a[t].c[j * UNIT + i] + int32_t(byte >> 4) * a[t].c[j * UNIT + 4 + i];
+            }
+          total += float(dot) * scale_of(pair) * a[t].x_scale[b];
+        }
+        total += zero_of(pair) * a[t].x_sum[g];
+      }
+      out[t][r] = total;
+    }
 }
 #endif
 
-constexpr int MAX_RUN_ROWS = 4;  // activation rows row_dots takes at once
-void (*const row_dots_of[MAX_RUN_ROWS + 1])(const WeightRow&, const Activation*, int64_t, int, float*) = {
-    nullptr, row_dots<1>, row_dots<2>, row_dots<3>, row_dots<4>};
+constexpr int MAX_RUN_ROWS = 4;  // activation rows block_dots takes at once
+void (*const block_dots_of[MAX_RUN_ROWS + 1])(const uint8_t*, const uint32_t*, const Activation*, int64_t, int64_t, float* const*) = {
+    nullptr, block_dots<1>, block_dots<2>, block_dots<3>, block_dots<4>};
 
 // out [X, k, rows] (k = 1 without ids): x row p times expert ids[p, j]'s weight (zeros for an id
-// outside [0, E)). Tasks are (run, tile of ROW_TILE weight rows); a run is consecutive x rows with
+// outside [0, E)). Tasks are (run, ROW_BLOCKS row blocks); a run is consecutive x rows with
 // the same expert in one column j of ids (a prompt chunk's rows sorted by expert, or a linear's
 // rows), so a tile's weights are read from memory once per run.
 Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tensor> ids) {
@@ -199,11 +171,8 @@ Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tens
   const int64_t X = x.size(0), in = x.size(1);
   const int64_t E = experts ? codes.size(0) : 1, rows = codes.size(-2);
   const int64_t groups = scale_zero.size(-2), group = in / std::max<int64_t>(groups, 1);
-  STD_TORCH_CHECK(in % CHUNK == 0 && codes.size(-1) * 2 == in && groups * group == in && group % BLOCK == 0,
-                  "int4_matmul: inputs must be a multiple of 64 and of the group (a multiple of 32)");
-  int group_shift = 0;  // log2(group / BLOCK): a block's group is b >> group_shift
-  while ((BLOCK << group_shift) < group) ++group_shift;
-  STD_TORCH_CHECK((BLOCK << group_shift) == group, "int4_matmul: the group must be 32 times a power of two");
+  STD_TORCH_CHECK(codes.size(-1) * 2 == in && groups * group == in && group % BLOCK == 0 && rows % ROWS == 0,
+                  "int4_matmul: inputs must be a multiple of the group (a multiple of 32), rows of 8");
   const int64_t k = experts ? ids->size(1) : 1;
   std::vector<int64_t> expert(X * k, 0);
   if (experts) {
@@ -234,24 +203,27 @@ Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tens
       runs.push_back({j, p, end, expert[p * k + j]});
       p = end;
     }
-  const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+  const int64_t row_blocks = rows / ROWS, tiles = (row_blocks + ROW_BLOCKS - 1) / ROW_BLOCKS;
   torch::stable::parallel_for(0, int64_t(runs.size()) * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const Run& run = runs[task / tiles];
-      const int64_t first_row = (task % tiles) * ROW_TILE, last_row = std::min(rows, first_row + ROW_TILE);
+      const int64_t first = (task % tiles) * ROW_BLOCKS, last = std::min(row_blocks, first + ROW_BLOCKS);
       const bool owned = run.expert >= 0 && run.expert < E;
-      for (int64_t r = first_row; r < last_row; ++r) {
-        const WeightRow row{w + (run.expert * rows + r) * in / 2, sz + (run.expert * rows + r) * groups};
+      for (int64_t block = first; block < last; ++block)
         for (int64_t p = run.first; p < run.last; p += MAX_RUN_ROWS) {
           const int n = int(std::min<int64_t>(MAX_RUN_ROWS, run.last - p));
           Activation a[MAX_RUN_ROWS];
-          float result[MAX_RUN_ROWS] = {};
-          for (int t = 0; t < n; ++t)
+          float* out_rows[MAX_RUN_ROWS];
+          for (int t = 0; t < n; ++t) {
             a[t] = {&q.codes[(p + t) * in], &q.scales[(p + t) * in / BLOCK], &q.code_sums[(p + t) * in / BLOCK], &q.sums[(p + t) * groups]};
-          if (owned) row_dots_of[n](row, a, in, group_shift, result);
-          for (int t = 0; t < n; ++t) y[((p + t) * k + run.j) * rows + r] = result[t];
+            out_rows[t] = y + ((p + t) * k + run.j) * rows + block * ROWS;
+          }
+          const int64_t first_row = run.expert * rows + block * ROWS;
+          if (owned)
+            block_dots_of[n](w + first_row * in / 2, sz + first_row * groups, a, in, group, out_rows);
+          else
+            for (int t = 0; t < n; ++t) std::fill_n(out_rows[t], ROWS, 0.f);
         }
-      }
     }
   });
   return out;
@@ -263,15 +235,55 @@ uint16_t float_to_bf16(float f) {  // (round to nearest even; the weights are fi
   return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// The weights in bfloat16 [..., rows, in], for a prompt chunk's GEMMs: plain loops over a 64-column
-// chunk the compiler vectorizes, rows in parallel.
+#if defined(__AVX2__)
+__m128i to_bf16(__m256 v) {  // 8 floats -> 8 bfloat16, rounded to nearest even
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  return (__m128i)_mm256_cvtneps_pbh(v);
+#else
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // (in 128-bit lanes)
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+#endif
+}
+
+// One row block's unit (8 rows x 8 columns, 32 bytes) -> out rows [8][8] at stride `in`, each row
+// r's codes times scale[r] plus offset[r].
+void decode_unit(const uint8_t* bytes, const float* scale, const float* offset, uint16_t* out, int64_t in) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i low = _mm256_and_si256(all, low_nibbles), high = _mm256_and_si256(_mm256_srli_epi16(all, 4), low_nibbles);
+  // each row's 4 low then 4 high codes, 8 bytes a row: rows 0 1 | 4 5, and 2 3 | 6 7
+  const __m256i rows_0145 = _mm256_unpacklo_epi32(low, high), rows_2367 = _mm256_unpackhi_epi32(low, high);
+  const __m128i quads[4] = {_mm256_castsi256_si128(rows_0145), _mm256_castsi256_si128(rows_2367),
+                            _mm256_extracti128_si256(rows_0145, 1), _mm256_extracti128_si256(rows_2367, 1)};
+  for (int half = 0; half < 4; ++half)  // rows (0 1), (2 3), (4 5), (6 7)
+    for (int second = 0; second < 2; ++second) {
+      const int r = 2 * half + second;
+      const __m128i codes = second ? _mm_srli_si128(quads[half], 8) : quads[half];
+      const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), _mm256_set1_ps(scale[r]), _mm256_set1_ps(offset[r]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * in), to_bf16(w));
+    }
+}
+#else
+void decode_unit(const uint8_t* bytes, const float* scale, const float* offset, uint16_t* out, int64_t in) {
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t i = 0; i < 4; ++i) {
+      out[r * in + i] = float_to_bf16(float(bytes[4 * r + i] & 0x0F) * scale[r] + offset[r]);
+      out[r * in + 4 + i] = float_to_bf16(float(bytes[4 * r + i] >> 4) * scale[r] + offset[r]);
+    }
+}
+#endif
+
+// The weights in bfloat16 [..., rows, in], for a prompt chunk's GEMMs, row blocks in parallel.
 Tensor int4_values(Tensor codes, Tensor scale_zero) {
   STD_TORCH_CHECK(codes.scalar_type() == ScalarType::Byte && codes.is_contiguous(), "int4_values: codes must be contiguous uint8");
   STD_TORCH_CHECK(scale_zero.scalar_type() == ScalarType::BFloat16 && scale_zero.is_contiguous(),
                   "int4_values: scale_zero must be contiguous bfloat16");
   const int64_t in = codes.size(-1) * 2, groups = scale_zero.size(-2), rows = codes.numel() * 2 / in;
-  STD_TORCH_CHECK(in % CHUNK == 0 && groups > 0 && in % groups == 0 && (in / groups) % BLOCK == 0,
-                  "int4_values: inputs must be a multiple of 64 and of the group (a multiple of 32)");
+  STD_TORCH_CHECK(groups > 0 && in % groups == 0 && (in / groups) % BLOCK == 0 && rows % ROWS == 0,
+                  "int4_values: inputs must be a multiple of the group (a multiple of 32), rows of 8");
   std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end());
   shape.back() = in;
   Tensor out = torch::stable::new_empty(codes, shape, ScalarType::BFloat16);
@@ -279,16 +291,17 @@ Tensor int4_values(Tensor codes, Tensor scale_zero) {
   const uint8_t* w = static_cast<const uint8_t*>(codes.const_data_ptr());
   const uint32_t* sz = static_cast<const uint32_t*>(scale_zero.const_data_ptr());
   const int64_t group = in / groups;
-  torch::stable::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t c = 0; c < in / CHUNK; ++c) {
-        const uint8_t* bytes = w + r * in / 2 + c * 32;
-        uint16_t* out_row = y + r * in + c * CHUNK;
-        const uint32_t low_pair = sz[r * groups + c * CHUNK / group], high_pair = sz[r * groups + (c * CHUNK + 32) / group];
-        const float low_scale = scale_of(low_pair), low_offset = zero_of(low_pair) - 8.f * low_scale;
-        const float high_scale = scale_of(high_pair), high_offset = zero_of(high_pair) - 8.f * high_scale;
-        for (int64_t i = 0; i < 32; ++i) out_row[i] = float_to_bf16(float(bytes[i] & 0x0F) * low_scale + low_offset);
-        for (int64_t i = 0; i < 32; ++i) out_row[32 + i] = float_to_bf16(float(bytes[i] >> 4) * high_scale + high_offset);
+  torch::stable::parallel_for(0, rows / ROWS, 1, [&](int64_t begin, int64_t end) {
+    float scale[ROWS], offset[ROWS];
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t r = 0; r < ROWS; ++r) {
+          const uint32_t pair = sz[(block * groups + g) * ROWS + r];
+          scale[r] = scale_of(pair);
+          offset[r] = zero_of(pair) - 8.f * scale[r];
+        }
+        for (int64_t j = g * group / UNIT; j < (g + 1) * group / UNIT; ++j)
+          decode_unit(w + block * ROWS * in / 2 + j * 32, scale, offset, y + block * ROWS * in + j * UNIT, in);
       }
   });
   return out;

@@ -4,21 +4,28 @@
     torch.ops.deepinfer.int4_matmul(x, codes, scale_zero, ids)   # experts [E, rows, in/2], ids [X, k] -> [X, k, rows]
     torch.ops.deepinfer.int4_values(codes, scale_zero)           # the weights in bfloat16 [..., rows, in]
 
-x [X, in] float32. Codes (LAYOUT): bytes [..., rows, in/2], byte 32c + i holding column 64c + i in
-its low nibble and column 64c + 32 + i in its high one; q in 0..15, w = (q - 8) * scale + zero,
-bfloat16 (scale, zero) [..., rows, in/group, 2]. With ids, x row p is multiplied by expert
-ids[p, j]'s weight for each j (zeros for an id outside [0, E): a pair another rank computes).
+x [X, in] float32. With ids, x row p is multiplied by expert ids[p, j]'s weight for each j (zeros
+for an id outside [0, E): a pair another rank computes). The weights (LAYOUT): q in 0..15, w = (q -
+8) * scale + zero, bfloat16 (scale, zero) per group of inputs, both with rows of 8 interleaved
+(`pack`): the codes [..., rows, in/2] hold, for each block of 8 rows, units of 32 bytes, byte
+4r + i of unit j holding row r's column 8j + i in its low nibble and 8j + 4 + i in its high one;
+the (scale, zero) pairs [..., rows, in/group, 2] hold, for each block of 8 rows, group by group,
+the 8 rows' pairs. So a 4-byte integer dot product lands one row a lane and a group's 8 scales are
+one load, as in the repacked layouts of llama.cpp and ATen.
 
 How: as llama.cpp's q4_0 x q8_0, the activations are quantized to int8 per block of 32 (scale
 amax / 127) and multiplied by the nibbles with integer dot products (AVX-512 VNNI, else AVX2's
 maddubs), a float multiply-add per block for the scales, the zeros applied once per group to the
-group's sum of x (q - 8 in integers: the sum of a block's activation codes, once per row). A 4-bit decode step reads the bytes at the memory's rate this way; decoding each
-nibble to float first (inductor's loops, ATen's `_weight_int4pack_mm_for_cpu`) costs more
-arithmetic than the bytes take to arrive (bench/quantized_matmul_bench.py).
+group's sum of x (q - 8 in integers: the sum of a block's activation codes, once per row). A
+4-bit decode step reads the bytes at the memory's rate this way: one row of the 190M's LM head
+from memory 0.66 ms (28 GB/s, the box's read rate), cache-warm [1024, 1024] rows 1.6x, 4 rows
+1.8x faster than the layout before (one row's 64 columns in 32 bytes, the blocks' sums reduced
+across lanes); decoding each nibble to float first (inductor's loops, ATen's
+`_weight_int4pack_mm_for_cpu`) costs more arithmetic than the bytes take to arrive
+(bench/quantized_matmul_bench.py).
 
-A prompt chunk's products of many rows are GEMMs on the weights decoded by `int4_values` (the
-same expression in inductor's loops wrote 0.8 GB/s of bfloat16: the two nibbles of a byte land 32
-columns apart).
+A prompt chunk's products of many rows are GEMMs on the weights decoded by `int4_values` (in
+inductor's loops, decoding a layout whose nibbles land apart wrote 0.8 GB/s of bfloat16).
 
 The kernels (int4_matmul.cpp) are compiled on the host that runs it, for its CPU (-march=native),
 once per source, torch and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels, ~2 s); it
@@ -38,12 +45,14 @@ import torch
 
 from . import knobs
 
-LAYOUT = "int4-pairs-of-32"  # the manifest's quantization_config.int4_layout for the layout above
+LAYOUT = "int4-rows-of-8"  # the manifest's quantization_config.int4_layout for the layout above
+ROWS = 8  # weight rows interleaved
 BLOCK = 32  # activation columns sharing an int8 scale
 # From this many rows a product is faster as a bfloat16 GEMM on the weight decoded by int4_values
-# (a [2816, 1024] weight, 2 threads, an AMD EPYC, ms, the kernel / decoding + oneDNN's GEMM:
-# 8 rows 0.30 / 0.26 + 0.15, 16 rows 0.67 / 0.38 + 0.15, 32 rows 1.29 / 0.56 + 0.15).
-DECODED_FROM_ROWS = 16
+# (a [2816, 1024] weight, 2 threads, an AMD EPYC, eager, ms, the kernel / oneDNN's GEMM + the
+# decoding: 8 rows 0.16 / 0.24 + 0.18, 16 rows 0.31 / 0.37 + 0.18, 24 rows 0.80 / 0.46 + 0.18,
+# 32 rows 0.87 / 0.61 + 0.18; ATen's int4 kernel 0.28, 0.55, 0.97, 1.26).
+DECODED_FROM_ROWS = 24
 SOURCE = Path(__file__).with_name("int4_matmul.cpp")
 log = logging.getLogger(__name__)
 
@@ -61,23 +70,29 @@ def _(codes, scale_zero):
     return codes.new_empty(*codes.shape[:-1], 2 * codes.shape[-1], dtype=torch.bfloat16)
 
 
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """Codes q [..., in] in 0..15 (in a multiple of 64) -> bytes [..., in/2] in LAYOUT."""
-    pairs = q.to(torch.uint8).unflatten(-1, (-1, 2, 32))  # [..., in/64, (low, high), 32]
-    return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).flatten(-2)
+def pack(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q [..., rows, in] in 0..15 (rows a multiple of 8) and their (scale, zero) [..., rows,
+    in/group, 2] -> (bytes [..., rows, in/2], pairs [..., rows, in/group, 2]) in LAYOUT."""
+    *lead, rows, width = q.shape
+    units = q.to(torch.uint8).reshape(*lead, rows // ROWS, ROWS, width // 8, 2, 4)  # [..., block, r, j, (low, high), i]
+    codes = (units[..., 0, :] | (units[..., 1, :] << 4)).transpose(-3, -2)  # [..., block, j, r, i]
+    pairs = scale_zero.reshape(*lead, rows // ROWS, ROWS, -1, 2).transpose(-3, -2)  # [..., block, group, r, 2]
+    return codes.reshape(*lead, rows, width // 2).contiguous(), pairs.reshape(scale_zero.shape).contiguous()
 
 
-def unpack(codes: torch.Tensor) -> torch.Tensor:
-    """Bytes [..., in/2] in LAYOUT -> codes [..., in] as float32. (The high nibble is (byte & 0xF0)
-    / 16: vectorized loops shift 8-bit lanes in emulation.)"""
-    chunks = codes.unflatten(-1, (-1, 32))
-    low, high = (chunks & 0xF).to(torch.float32), (chunks & 0xF0).to(torch.float32) * 0.0625
-    return torch.stack([low, high], dim=-2).flatten(-3)
+def unpack(codes: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack` undone: (q [..., rows, in] as float32, (scale, zero) [..., rows, in/group, 2] in row order)."""
+    *lead, rows, half = codes.shape
+    units = codes.reshape(*lead, rows // ROWS, half // 4, ROWS, 4)  # [..., block, j, r, i]
+    q = torch.stack([units & 0xF, units >> 4], dim=-2).to(torch.float32)  # [..., block, j, r, (low, high), i]
+    pairs = scale_zero.reshape(*lead, rows // ROWS, -1, ROWS, 2).transpose(-3, -2)
+    return q.transpose(-4, -3).reshape(*lead, rows, 2 * half), pairs.reshape(scale_zero.shape)
 
 
 def values(codes: torch.Tensor, scale_zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bytes [..., rows, in/2] and (scale, zero) [..., rows, in/group, 2] -> weights [..., rows, in] in dtype."""
-    grouped = unpack(codes).unflatten(-1, (scale_zero.shape[-2], -1)) - 8
+    """Bytes [..., rows, in/2] and (scale, zero) [..., rows, in/group, 2] in LAYOUT -> weights [..., rows, in] in dtype."""
+    q, scale_zero = unpack(codes, scale_zero)
+    grouped = q.unflatten(-1, (scale_zero.shape[-2], -1)) - 8
     scale, zero = scale_zero.float().unbind(-1)
     return (grouped * scale[..., None] + zero[..., None]).flatten(-2).to(dtype)
 
@@ -97,8 +112,9 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, id
         if not 0 <= expert < codes.shape[0]:
             continue
         p, j = (ids == expert).nonzero(as_tuple=True)
-        centred = unpack(codes[expert]).view(rows, -1, BLOCK) - 8  # [rows, in/32, 32]
-        scale, zero = scale_zero[expert].float().unbind(-1)  # [rows, groups]
+        q, pairs = unpack(codes[expert], scale_zero[expert])
+        centred = q.view(rows, -1, BLOCK) - 8  # [rows, in/32, 32]
+        scale, zero = pairs.float().unbind(-1)  # [rows, groups]
         dots = torch.einsum("pbi,rbi->prb", activation[p], centred)  # exact integers in float32
         per_block = scale.repeat_interleave(width // groups // BLOCK, dim=-1)  # [rows, in/32]
         zeros = group_sum[p] @ zero.T  # [pairs, rows]

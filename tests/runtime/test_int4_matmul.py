@@ -1,6 +1,6 @@
-"""deepinfer::int4_matmul (runtime/int4_matmul.py): the kernel built here does the reference's
-arithmetic, in its AVX-512 VNNI, AVX2 and plain C++ builds, and stays within the activations'
-8-bit rounding of the float product; without a compiler the reference runs, saying so."""
+"""deepinfer::int4_matmul and int4_values (runtime/int4_matmul.py): the kernels built here do the
+reference's arithmetic, in their AVX-512 VNNI, AVX2 and plain C++ builds, and stay within the
+activations' 8-bit rounding of the float product; without a compiler the reference runs, saying so."""
 
 import os
 import subprocess
@@ -13,9 +13,9 @@ from deepinfer.models.int_weights import int4_codes
 from deepinfer.runtime import int4_matmul
 from tests.conftest import ROOT
 
-# (X rows, k experts a row, E, rows, in, group): in 192 and 320 end in blocks the 8-block loop
-# leaves to its tail; sorted ids make runs of rows that share an expert; -1 and E: no expert here.
-SHAPES = [(1, 4, 16, 96, 1024, 32), (3, 2, 4, 40, 192, 64), (6, 1, 3, 24, 320, 32), (5, 1, 2, 16, 256, 128)]
+# (X rows, k experts a row, E, rows, in, group): groups of one to four blocks; 6 rows of one expert
+# make runs of 4 and 2; sorted ids make runs of rows that share an expert; -1 and E: no expert here.
+SHAPES = [(1, 4, 16, 96, 1024, 32), (3, 2, 4, 40, 192, 64), (6, 1, 3, 24, 320, 32), (5, 1, 2, 16, 256, 128), (6, 1, 1, 8, 96, 32)]
 
 
 def case(X, k, E, rows, width, group, seed=0):
@@ -24,7 +24,7 @@ def case(X, k, E, rows, width, group, seed=0):
     x = torch.randn(X, width, generator=generator) * torch.rand(X, 1, generator=generator) * 4
     x[0, :32] = 0  # (a block of zeros: its scale is 0)
     ids = torch.randint(-1, E + 1, (X, k), generator=generator).sort(dim=0).values
-    return x, int4_matmul.pack(q), scale_zero, ids
+    return x, *int4_matmul.pack(q, scale_zero), ids
 
 
 def float_product(x, codes, scale_zero, ids):
@@ -43,12 +43,19 @@ def test_the_kernel_does_the_references_arithmetic_close_to_the_float_product(sh
     torch.testing.assert_close(linear, int4_matmul.reference(x, codes[0], scale_zero[0], None), atol=1e-4, rtol=1e-5)
 
 
-def test_pack_and_values_lay_out_the_columns_in_order():
-    q = torch.randint(0, 16, (3, 128))
-    codes = int4_matmul.pack(q)
-    assert codes.shape == (3, 64) and codes[0, 5] == q[0, 5] | (q[0, 37] << 4)
-    scale_zero = torch.tensor([[1.0, 0.0]]).bfloat16().expand(3, 4, 2)  # scale 1, zero 0: w = q - 8
-    assert torch.equal(int4_matmul.values(codes, scale_zero, torch.float32), q.float() - 8)
+def test_pack_interleaves_rows_of_8_and_unpack_undoes_it():
+    q, scale_zero = torch.randint(0, 16, (2, 16, 64)), torch.randn(2, 16, 2, 2).bfloat16()
+    codes, pairs = int4_matmul.pack(q, scale_zero)
+    assert codes.shape == (2, 16, 32) and pairs.shape == scale_zero.shape
+    # expert 1, row block 1, unit j = 3 (columns 24-31), row r = 5, i = 2: column 26 low, 30 high
+    assert codes[1].flatten()[(8 * 32 + 3 * 32 + 4 * 5 + 2)] == q[1, 13, 26] | (q[1, 13, 30] << 4)
+    assert torch.equal(pairs[1].view(-1, 2)[8 * 2 + 1 * 8 + 5], scale_zero[1, 13, 1])  # block 1, group 1, row 5
+    unpacked, unpacked_pairs = int4_matmul.unpack(codes, pairs)
+    assert torch.equal(unpacked, q.float()) and torch.equal(unpacked_pairs, scale_zero)
+    scale, zero = scale_zero.float().unbind(-1)
+    expected = (q.float().view(2, 16, 2, 32) - 8) * scale[..., None] + zero[..., None]
+    torch.testing.assert_close(int4_matmul.values(codes, pairs, torch.float32), expected.view(2, 16, 64))
+    assert torch.equal(torch.ops.deepinfer.int4_values(codes, pairs), int4_matmul.values(codes, pairs, torch.bfloat16))
 
 
 CHECK = """
@@ -60,6 +67,7 @@ for shape in SHAPES:
     x, codes, scale_zero, ids = case(*shape)
     torch.testing.assert_close(torch.ops.deepinfer.int4_matmul(x, codes, scale_zero, ids),
                                int4_matmul.reference(x, codes, scale_zero, ids), atol=1e-4, rtol=1e-5)
+    assert torch.equal(torch.ops.deepinfer.int4_values(codes, scale_zero), int4_matmul.values(codes, scale_zero, torch.bfloat16))
 """
 
 

@@ -24,13 +24,14 @@ across lanes); decoding each nibble to float first (inductor's loops, ATen's
 `_weight_int4pack_mm_for_cpu`) costs more arithmetic than the bytes take to arrive
 (bench/quantized_matmul_bench.py).
 
-A prompt chunk's products of many rows are GEMMs on the weights decoded by `int4_values` (in
-inductor's loops, decoding a layout whose nibbles land apart wrote 0.8 GB/s of bfloat16).
+A prompt chunk's products of DECODED_FROM_ROWS rows or more are GEMMs on the weights decoded by
+`int4_values` (in inductor's loops, decoding a layout whose nibbles land apart wrote 0.8 GB/s of
+bfloat16).
 
-The kernels (int4_matmul.cpp) are compiled on the host that runs it, for its CPU (-march=native),
-once per source, torch and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels, ~2 s); it
-uses torch's own threads. Where no C++ compiler works, `reference` (the same arithmetic in torch,
-slower) runs instead, with a warning.
+The kernels (int4_matmul.cpp) are compiled on the host that runs them, for its CPU (-march=native),
+once per source, torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels,
+~2 s); they use torch's own threads. Where no C++ compiler works, `reference` and `values` (the
+same arithmetic in torch, slower) run instead, with a warning.
 """
 
 import hashlib

@@ -1,9 +1,10 @@
 """Serving on a CPU against llama.cpp's server at the same bit width, on the same weights:
-deepinfer-serve (float32 and int8 bundles of cpu_decode_bench.py's ~190M DeepSeek-V3) against
-llama-server (f32 and q8_0 GGUFs, `-np 4`: four parallel slots), output tokens/s at concurrency 1
-and 4.
+deepinfer-serve (float32, int8 and int4 bundles of cpu_decode_bench.py's ~190M DeepSeek-V3)
+against llama-server (f32, q8_0 and q4_0 GGUFs, `-np 4`: four parallel slots), output tokens/s at
+concurrency 1 and 4.
 
-    .venv/bin/python bench/cpu_serve_bench.py          # ~20 minutes cold (llama.cpp's build aside)
+    .venv/bin/python bench/cpu_serve_bench.py                   # ~30 minutes cold (llama.cpp's build aside)
+    .venv/bin/python bench/cpu_serve_bench.py --formats int4    # one pair
 
 Each request: a PROMPT_LEN-token prompt of random ids and OUTPUT_LEN tokens (EOS ignored), through
 the official openai client's completions call, not streamed; output tokens/s = the completion
@@ -29,7 +30,7 @@ from serve_bench import start_server, wait_until_ready
 from deepinfer.runtime.launch import free_port
 
 PROMPT_LEN, OUTPUT_LEN, REQUESTS = 128, 64, 12
-PAIRS = {"float32": (None, "f32"), "int8": ("int8", "q8_0")}  # ours (model.quantize) -> llama.cpp's type
+PAIRS = {"float32": (None, "f32"), "int8": ("int8", "q8_0"), "int4": ("int4", "q4_0")}  # ours (model.quantize) -> llama.cpp's type
 CONCURRENCY = (1, 4)
 METHODS = {"decode": {"buckets": [1, 2, 4], "context": [256]}, "prefill": {"buckets": [128], "context": [256]}}
 
@@ -72,6 +73,7 @@ def measure(server: subprocess.Popen, url: str, model: str, vocab: int) -> dict[
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", nargs="+", default=list(PAIRS), choices=list(PAIRS), help="our weights, each against llama.cpp's at its width")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "deepinfer-bench" / "cpu-decode")
     parser.add_argument("--llama-cpp", type=Path, default=Path.home() / ".cache" / "deepinfer-bench" / "llama.cpp")
     args = parser.parse_args()
@@ -80,7 +82,7 @@ def main():
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     print(f"torch {torch.__version__}; {PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens, {REQUESTS} requests a level")
     print("\n| weights | concurrency | deepinfer tok/s | llama-server tok/s | ratio |\n|---|---|---|---|---|")
-    for ours, (quantize, theirs) in PAIRS.items():
+    for ours, (quantize, theirs) in ((f, PAIRS[f]) for f in args.formats):
         bundle = compile_bundle(checkpoint, f"190m-serve-{ours}", "float32", quantize, args.work, METHODS, max_seqs=4).bundle
         gguf = llama.convert(checkpoint, args.work / f"190m-{theirs}.gguf", theirs)
         mine = measure(*start_server(bundle), f"190m-serve-{ours}", vocab)

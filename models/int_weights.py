@@ -43,7 +43,7 @@ from deepinfer.runtime import int4_matmul
 from deepinfer.runtime.grouped_matmul import int4_product, int8_product
 
 BITS = {"int8": 8, "int4": 4}
-GROUPS = (32, 64, 128, 256)  # int4 group sizes (the kernel takes 32 x a power of two)
+GROUPS = (32, 64, 128, 256)  # int4 group sizes (whole blocks of the kernel's 32-column activation scales)
 SCALE = "_qscale"  # a quantized weight `name`'s scales are `name_qscale`
 INT4_PACK = torch.uint8
 

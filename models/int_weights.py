@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from deepinfer.runtime import int4_matmul
-from deepinfer.runtime.grouped_matmul import int4_product, int8_product
+from deepinfer.runtime.grouped_matmul import int8_product
 
 BITS = {"int8": 8, "int4": 4}
 GROUPS = (32, 64, 128, 256)  # int4 group sizes (whole blocks of the kernel's 32-column activation scales)
@@ -105,7 +105,7 @@ class IntLinear(nn.Module):
         if self.bits == 8:
             out = int8_product(flat.to(torch.bfloat16), self.weight, self.weight_qscale)  # (ATen's fast path: bf16)
         else:
-            out = int4_product(flat, self.weight, self.weight_qscale)
+            out = int4_matmul.product(flat, self.weight, self.weight_qscale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 

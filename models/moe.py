@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 import deepinfer.runtime.grouped_matmul  # noqa: F401  (registers torch.ops.deepinfer.grouped_*)
-from deepinfer.runtime.int4_matmul import DECODED_FROM_ROWS
+from deepinfer.runtime import int4_matmul
 
 from .int_weights import Int4Experts, Int8Experts, RowScaled
 
@@ -164,23 +164,19 @@ def int4_product(equation: str, x, w: Int4Experts):
     for GEMMs."""
     E, rows = w.codes.shape[:2]
     x_axes = equation.split(",")[0]
-    if w.ids is None and (x.shape[0] if x.dim() == 2 else x[..., 0].numel() // E) >= DECODED_FROM_ROWS:
+    if w.ids is None and (x.shape[0] if x.dim() == 2 else x[..., 0].numel() // E) >= int4_matmul.DECODED_FROM_ROWS:
         return product(equation, x, w.values(torch.bfloat16))  # (rows enough an expert for a GEMM)
     every = torch.arange(E, device=x.device)
     if x.dim() == 2:
         ids = w.ids if w.ids is not None else every.expand(x.shape[0], E)
-        return int4_kernel(x, w, ids).to(x.dtype)
+        return int4_matmul.matmul(x, w.codes, w.scale_zero, ids).to(x.dtype)
     ids = w.ids if w.ids is not None else every.view([E if axis == "e" else 1 for axis in x_axes[:2]]).expand(x.shape[:2])
     by_expert = w.ids is None and x_axes.index("e") == 1  # (the dense form's [N, E, I]: run each expert's rows together)
     if by_expert:
         x, ids = x.transpose(0, 1), ids.transpose(0, 1)
-    out = int4_kernel(x.reshape(-1, x.shape[-1]), w, ids.reshape(-1, 1)).to(x.dtype).view(*x.shape[:2], rows)
+    out = int4_matmul.matmul(x.reshape(-1, x.shape[-1]), w.codes, w.scale_zero, ids.reshape(-1, 1))
+    out = out.to(x.dtype).view(*x.shape[:2], rows)
     return out.transpose(0, 1) if by_expert else out
-
-
-def int4_kernel(x, w: Int4Experts, ids):
-    """deepinfer::int4_matmul: x [X, in] times the experts ids [X, k] -> [X, k, rows] float32."""
-    return torch.ops.deepinfer.int4_matmul(x.float().contiguous(), w.codes, w.scale_zero, ids.contiguous())
 
 
 def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):

@@ -213,11 +213,11 @@ def expert_weights(module: nn.Module, name: str, dtype: torch.dtype, quantizatio
     scales = getattr(module, name + (int_weights.SCALE if int_codes else SCALE_SUFFIX)) if quantization else None
 
     def pick(ids: torch.Tensor | None = None) -> torch.Tensor:
+        if int_codes and weight.dtype != torch.int8:  # int4: the kernel takes the stack and the ids
+            return int_weights.Int4Experts(weight, scales, ids)
         w = weight if ids is None else weight[ids]
         if scales is None:
             return w
-        if int_codes and weight.dtype != torch.int8:  # int4: the kernel takes the stack and the ids
-            return int_weights.Int4Experts(weight, scales, ids)
         picked = scales if ids is None else scales[ids]
         if int_codes and ids is None:
             return int_weights.Int8Experts(w, picked)

@@ -12,8 +12,8 @@ Why ops: how many rows each expert takes is known only when the step runs. A sta
 give every expert a fixed capacity (models/moe.py's grouped form: twice the routed FLOPs at the
 default capacity 2, and further passes when routing is uneven). The kernels loop over the experts
 here, one product each: oneDNN's linear for float weights (where ATen has oneDNN), `int8_product`
-for int8 ones, `int4_product` for int4 ones. Measured against the alternatives (16 experts [1280, 1024], rows routed evenly at
-random, eager, ms; an AMD EPYC, 2 threads):
+for int8 ones, `int4_matmul.product` for int4 ones. Measured against the alternatives (16
+experts [1280, 1024], rows routed evenly at random, eager, ms; an AMD EPYC, 2 threads):
                       32 rows x top-4    128     512
     float32  oneDNN         6.2          11.6    28.7
              MKL (F.linear) 10.2         14.2    34.6
@@ -44,15 +44,6 @@ def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     if x.shape[0] >= DECODED_FROM_ROWS:
         return torch.nn.functional.linear(x, codes.to(torch.bfloat16) * scales[:, None])
     return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
-
-
-def int4_product(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """x [M, in] times int4 codes [out, in/2] -> [M, out] float32: by the int4 kernel for a few rows,
-    else by a bfloat16 GEMM on the weight decoded (int4_matmul.DECODED_FROM_ROWS; F.linear, which
-    a region's graph can hold: ATen sends bf16 to oneDNN)."""
-    if x.shape[0] >= int4_matmul.DECODED_FROM_ROWS:
-        return torch.nn.functional.linear(x.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes, scale_zero)).float()
-    return torch.ops.deepinfer.int4_matmul(x.float().contiguous(), codes, scale_zero, None).squeeze(1)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -86,7 +77,7 @@ def grouped_int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
 
 @torch.library.custom_op("deepinfer::grouped_int4_matmul", mutates_args=())
 def grouped_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    return per_expert(x, ends, codes.shape[1], lambda rows, e: int4_product(rows, codes[e], scale_zero[e]).to(x.dtype))
+    return per_expert(x, ends, codes.shape[1], lambda rows, e: int4_matmul.product(rows, codes[e], scale_zero[e]).to(x.dtype))
 
 
 @grouped_matmul.register_fake

@@ -123,6 +123,20 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, id
     return out
 
 
+def matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The op on x in the form the kernel takes (contiguous float32): [X, k or 1, rows] float32."""
+    return torch.ops.deepinfer.int4_matmul(x.float().contiguous(), codes, scale_zero, None if ids is None else ids.contiguous())
+
+
+def product(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times one int4 weight (codes [out, in/2]) -> [M, out] float32: by the kernel for a
+    few rows, else by a bfloat16 GEMM on the weight decoded (DECODED_FROM_ROWS; F.linear, which a
+    region's graph can hold: ATen sends bf16 to oneDNN)."""
+    if x.shape[0] >= DECODED_FROM_ROWS:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes, scale_zero)).float()
+    return matmul(x, codes, scale_zero).squeeze(1)
+
+
 def _host_key(command: list[str]) -> str:
     """What the built kernel depends on: its source, torch, the compiler, its flags and this CPU's features."""
     cpu = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
@@ -155,15 +169,30 @@ def _build() -> Path:
 
 
 def _register() -> bool:
-    """Load the built kernel as the op's CPU implementation; the reference if it cannot be built."""
+    """Load the built kernel as the ops' CPU implementation; the torch reference if it cannot be
+    built, which says so when int4 weights first use it (a host without a compiler running float
+    bundles hears nothing)."""
     try:
         torch.ops.load_library(str(_build()))
         return True
     except (OSError, RuntimeError) as error:
-        log.warning("deepinfer: the int4 kernel could not be built here, so int4 weights run through its torch "
-                    "reference, several times slower (%s). Install g++ (or set CXX) for the fast kernel.", error)
-        torch.library.impl("deepinfer::int4_matmul", "CPU")(reference)
-        torch.library.impl("deepinfer::int4_values", "CPU")(lambda codes, scale_zero: values(codes, scale_zero, torch.bfloat16))
+        unwarned = [error]
+
+        def warn_once():
+            if unwarned:
+                log.warning("deepinfer: the int4 kernel could not be built here, so int4 weights run through its torch "
+                            "reference, several times slower (%s). Install g++ (or set CXX) for the fast kernel.", unwarned.pop())
+
+        def matmul_reference(x, codes, scale_zero, ids):
+            warn_once()
+            return reference(x, codes, scale_zero, ids)
+
+        def values_reference(codes, scale_zero):
+            warn_once()
+            return values(codes, scale_zero, torch.bfloat16)
+
+        torch.library.impl("deepinfer::int4_matmul", "CPU")(matmul_reference)
+        torch.library.impl("deepinfer::int4_values", "CPU")(values_reference)
         return False
 
 

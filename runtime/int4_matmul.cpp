@@ -99,6 +99,9 @@ __m256i dot4(__m256i acc, __m256i nibbles, const int8_t* c) {
 // (R <= 4: a run's rows share each load and nibble split) -> out[t][0..8).
 template <int R>
 void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, int64_t in, int64_t group, float* const* out) {
+  // Independent dot-product chains per activation row: a block's 8 products in one chain wait on
+  // each other's latency; fewer rows leave the integer units idle without more chains.
+  constexpr int CHAINS = R == 1 ? 4 : R == 2 ? 2 : 1;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   const __m256 high_halves = _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)));
   __m256 acc[R];
@@ -108,19 +111,23 @@ void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, in
     const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
     const __m256 zero = _mm256_and_ps(_mm256_castsi256_ps(pair), high_halves);
     for (int64_t b = g * group / BLOCK; b < (g + 1) * group / BLOCK; ++b) {
-      __m256i low_dots[R], high_dots[R];  // (two chains, as the block's 8 products are dependent)
-      for (int t = 0; t < R; ++t) low_dots[t] = high_dots[t] = _mm256_setzero_si256();
-      for (int64_t j = b * BLOCK / UNIT; j < (b + 1) * BLOCK / UNIT; ++j) {
+      __m256i low_dots[R][CHAINS], high_dots[R][CHAINS];
+      for (int t = 0; t < R; ++t)
+        for (int c = 0; c < CHAINS; ++c) low_dots[t][c] = high_dots[t][c] = _mm256_setzero_si256();
+      for (int64_t u = 0; u < BLOCK / UNIT; ++u) {
+        const int64_t j = b * BLOCK / UNIT + u;
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 32));
         const __m256i low = _mm256_and_si256(bytes, low_nibbles);
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
         for (int t = 0; t < R; ++t) {
-          low_dots[t] = dot4(low_dots[t], low, a[t].c + j * UNIT);
-          high_dots[t] = dot4(high_dots[t], high, a[t].c + j * UNIT + 4);
+          low_dots[t][u % CHAINS] = dot4(low_dots[t][u % CHAINS], low, a[t].c + j * UNIT);
+          high_dots[t][u % CHAINS] = dot4(high_dots[t][u % CHAINS], high, a[t].c + j * UNIT + 4);
         }
       }
       for (int t = 0; t < R; ++t) {
-        const __m256i centred = _mm256_sub_epi32(_mm256_add_epi32(low_dots[t], high_dots[t]), _mm256_set1_epi32(a[t].code_sums[b]));
+        __m256i dots = _mm256_add_epi32(low_dots[t][0], high_dots[t][0]);
+        for (int c = 1; c < CHAINS; ++c) dots = _mm256_add_epi32(dots, _mm256_add_epi32(low_dots[t][c], high_dots[t][c]));
+        const __m256i centred = _mm256_sub_epi32(dots, _mm256_set1_epi32(a[t].code_sums[b]));
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, _mm256_set1_ps(a[t].x_scale[b])), acc[t]);
       }
     }

@@ -50,10 +50,10 @@ LAYOUT = "int4-rows-of-8"  # the manifest's quantization_config.int4_layout for 
 ROWS = 8  # weight rows interleaved
 BLOCK = 32  # activation columns sharing an int8 scale
 # From this many rows a product is faster as a bfloat16 GEMM on the weight decoded by int4_values
-# (a [2816, 1024] weight, 2 threads, an AMD EPYC, eager, ms, the kernel / oneDNN's GEMM + the
-# decoding: 8 rows 0.16 / 0.24 + 0.18, 16 rows 0.31 / 0.37 + 0.18, 24 rows 0.80 / 0.46 + 0.18,
-# 32 rows 0.87 / 0.61 + 0.18; ATen's int4 kernel 0.28, 0.55, 0.97, 1.26).
-DECODED_FROM_ROWS = 24
+# (2 threads, an AMD EPYC, eager, ms, the kernel / the decoding + oneDNN's GEMM; [2816, 1024]:
+# 16 rows 0.44 / 0.57, 32 0.93 / 0.80, 48 0.96 / 1.01, 64 1.21 / 1.22, 128 2.60 / 2.30; [1280, 1024]:
+# 16 rows 0.15 / 0.27, 32 0.32 / 0.37, 48 0.43 / 0.48, 64 0.59 / 0.56, 128 1.13 / 0.95).
+DECODED_FROM_ROWS = 64
 SOURCE = Path(__file__).with_name("int4_matmul.cpp")
 log = logging.getLogger(__name__)
 

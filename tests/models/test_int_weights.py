@@ -95,8 +95,8 @@ def test_a_bundle_generates_the_eager_quantized_models_tokens(code_bundles, quan
 
 def equal_but_at_a_near_tie(model, prompt: list[int], got: list[int], expected: list[int], margin: float = 0.02) -> bool:
     """The same tokens, or tokens that part where the eager model's two best logits are within
-    `margin` and the bundle took the other: a 32-row chunk computes int4 products of 24 rows and
-    more as bf16 GEMMs, where the eager model's shorter prompt takes the int4 kernel."""
+    `margin` and the bundle took the other: a longer chunk computes int4 products of
+    int4_matmul.DECODED_FROM_ROWS rows and more as bf16 GEMMs, where a shorter prompt takes the kernel."""
     if got == expected:
         return True
     at = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)

@@ -58,6 +58,21 @@ def test_pack_interleaves_rows_of_8_and_unpack_undoes_it():
     assert torch.equal(torch.ops.deepinfer.int4_values(codes, pairs), int4_matmul.values(codes, pairs, torch.bfloat16))
 
 
+def test_a_prompts_experts_take_one_kernel_call_and_the_busiest_a_gemm_on_its_weight_decoded():
+    """deepinfer::grouped_int4_matmul: rows sorted by expert; experts of fewer than
+    DECODED_FROM_ROWS rows by id in one call, the others decoded; rows past the last end zeros.
+    Each equal to that expert's own product."""
+    many = int4_matmul.DECODED_FROM_ROWS
+    x, codes, scale_zero, _ = case(2 * many + 30, 1, 5, 16, 64, 32)
+    ends = torch.tensor([3, 3, 3 + many, 3 + many + 20, 3 + 2 * many + 20], dtype=torch.int32)  # (7 rows: no expert)
+    got = torch.ops.deepinfer.grouped_int4_matmul(x, codes, scale_zero, ends)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        assert torch.equal(got[start:end], int4_matmul.product(x[start:end], codes[expert], scale_zero[expert]))
+        start = end
+    assert not got[start:].any()
+
+
 CHECK = """
 import torch
 from deepinfer.runtime import int4_matmul

@@ -7,16 +7,16 @@ bf16 weights and against the memory-bandwidth floor, eager and through AOTInduct
 
 For each weight shape of the ~100M DeepSeek-V3 of the benches (BASE_100M: its LM head 32000 x 768,
 a dense MLP's 2048 x 768 and 768 x 2048), one activation row and four (`--rows`): f32 and bf16 weights
-(`x @ w.T`), `_weight_int8pack_mm` (per-output-channel symmetric int8) and the int8 weight decoded
-to bf16 for a bf16 GEMM, and group-wise int4 (groups of 32 and 128) by ATen's
-`_weight_int4pack_mm_for_cpu` and by ours, `deepinfer::int4_matmul` (runtime/int4_matmul.py:
-8-bit activations, integer dot products), ATen's kernels with bf16 activations (with f32 ones
-they take a slow path: shown once) -- in alternating rounds,
+(`x @ w.T`), per-output-channel symmetric int8 by ATen's `_weight_int8pack_mm` and by ours,
+`deepinfer::int8_matmul`, and group-wise int4 (groups of 32 and 128) by ATen's
+`_weight_int4pack_mm_for_cpu` and by ours, `deepinfer::int4_matmul` (runtime/int_matmul.py: 8-bit
+activations, integer dot products), ATen's kernels with bf16 activations (with f32 ones they take
+a slow path: shown once) -- in alternating rounds,
 median ms per call; each against the floor: the weight's bytes over the read bandwidth of this
 box's 2 threads (a float32 sum over 512 MiB, measured in the same run). The MLP weights (3-6 MB)
 stay in cache across the repeated calls and beat that floor; in a decode step every layer reads
 other weights, so only the LM head's row is what DRAM gives. Then the LM head's int8
-and int4 (ours) calls compiled by AOTInductor (torch.export of a module calling the op), to check
+and int4 calls (ours) compiled by AOTInductor (torch.export of a module calling the op), to check
 that the compiled call costs what the eager one does.
 """
 
@@ -31,7 +31,7 @@ import torch
 from context_bench import BASE_100M, take_turns
 
 from deepinfer.models.int_weights import int4_codes, int8_codes
-from deepinfer.runtime import int4_matmul
+from deepinfer.runtime import int_matmul
 
 V, D, I = BASE_100M["vocab_size"], BASE_100M["hidden_size"], BASE_100M["intermediate_size"]
 SHAPES = {f"lm head {V}x{D}": (V, D), f"mlp up {I}x{D}": (I, D), f"mlp down {D}x{I}": (D, I)}
@@ -57,14 +57,13 @@ def kernels(n: int, k: int, rows: int) -> tuple[dict, dict]:
     wb = w.bfloat16()
     codes, scale = int8_codes(w)  # (the formats model.quantize stores: models/int_weights.py)
     runs = {"f32": lambda: x @ w.T, "bf16": lambda: xb @ wb.T,
-            "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale.bfloat16()),
-            # (what runtime/grouped_matmul.int8_product does from DECODED_FROM_ROWS rows)
-            "int8 decoded, bf16 GEMM": lambda: torch.nn.functional.linear(xb, codes.to(torch.bfloat16) * scale.bfloat16()[:, None])}
-    sizes = {"f32": w.numel() * 4, "bf16": w.numel() * 2, "int8": w.numel() + n * 2, "int8 decoded, bf16 GEMM": w.numel() + n * 2}
+            "int8 ATen": lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale.bfloat16()),
+            "int8 ours": lambda c=int_matmul.pack_int8(codes): torch.ops.deepinfer.int8_matmul(x, c, scale, None).squeeze(1)}
+    sizes = {"f32": w.numel() * 4, "bf16": w.numel() * 2, "int8 ATen": w.numel() + n * 2, "int8 ours": w.numel() + n * 2}
     for group in (32, 128):
         q, scale_zero = int4_codes(w, group)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # (ATen's layout)
-        aten_scales, ours = scale_zero.transpose(0, 1).contiguous(), int4_matmul.pack(q, scale_zero)
+        aten_scales, ours = scale_zero.transpose(0, 1).contiguous(), int_matmul.pack_int4(q, scale_zero)
         runs[f"int4 g{group} ATen"] = lambda p=packed, g=group, s=aten_scales: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, s)
         runs[f"int4 g{group} ours"] = lambda c=ours: torch.ops.deepinfer.int4_matmul(x, *c, None).squeeze(1)
         sizes[f"int4 g{group} ATen"] = sizes[f"int4 g{group} ours"] = w.numel() // 2 + scale_zero.numel() * 2
@@ -81,7 +80,7 @@ def aot_inductor(n: int, k: int):
 
     class Int8(torch.nn.Module):
         def forward(self, x, codes, scale):
-            return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
+            return torch.ops.deepinfer.int8_matmul(x.float(), codes, scale, None)
 
     class Int4(torch.nn.Module):
         def forward(self, x, codes, scale_zero):
@@ -89,8 +88,8 @@ def aot_inductor(n: int, k: int):
 
     runs = {}
     work = Path(tempfile.mkdtemp(prefix="quantized-bench-"))
-    for name, module, args in (("int8", Int8(), (x, codes, scale.bfloat16())),
-                               ("int4 g32", Int4(), (x, *int4_matmul.pack(q, scale_zero)))):
+    for name, module, args in (("int8", Int8(), (x, int_matmul.pack_int8(codes), scale)),
+                               ("int4 g32", Int4(), (x, *int_matmul.pack_int4(q, scale_zero)))):
         start = time.perf_counter()
         package = torch._inductor.aoti_compile_and_package(torch.export.export(module, args), package_path=str(work / f"{name}.pt2"))
         compiled = torch._inductor.aoti_load_package(package)

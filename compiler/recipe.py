@@ -241,7 +241,7 @@ def _check_quantize(model: dict, backend: str, fail):
              "share a scale (32 is llama.cpp's q4_0 block; 128 reads fewer scales).")
     if backend in BACKENDS and not getattr(backend_module(backend), "INT_WEIGHTS", False):
         fail("model.quantize", f"the {backend} backend cannot compile int8/int4 weights: their products are CPU kernels "
-             "(ATen's _weight_int8pack_mm, our deepinfer::int4_matmul). Use backend inductor or export, or drop model.quantize.")
+             "(our deepinfer::int8_matmul and int4_matmul). Use backend inductor or export, or drop model.quantize.")
 
 
 def _check_cp(parallel: dict, arch: str, buckets: dict, contexts: dict, max_len: int, fail):

@@ -15,7 +15,7 @@ import torch
 from deepinfer.models import read_weight, stored_dtype
 from deepinfer.models.checkpoint import TORCH_DTYPES, SafetensorsDir
 from deepinfer.models.int_weights import SCALE as INT_SCALE
-from deepinfer.models.int_weights import quantized, source_name
+from deepinfer.models.int_weights import int8_cut_by_columns, quantized, source_name
 from deepinfer.models.parallel import Layout, rank_buffers, shard
 from deepinfer.models.quantization import SCALE_SUFFIX
 
@@ -145,8 +145,7 @@ def int_quantized(read_slice, read_whole, specs: Specs, layout: Layout, group: i
         if last.get("key") != (origin, rank):
             split = layout.split(origin)
             if dtypes[origin] == torch.int8 and split and split[0] == dims[origin] - 1:
-                whole = quantized(origin, read_whole(origin), torch.int8, group)
-                made = {origin: shard(origin, whole[origin], layout, rank), origin + INT_SCALE: whole[origin + INT_SCALE]}
+                made = int8_cut_by_columns(origin, read_whole(origin), lambda codes: shard(origin, codes, layout, rank))
             else:
                 made = quantized(origin, read_slice(origin, rank), dtypes[origin], group)
             last.update(key=(origin, rank), made=made)

@@ -33,7 +33,7 @@ import click  # noqa: E402
 import torch  # noqa: E402
 
 import deepinfer.runtime.grouped_matmul  # noqa: E402, F401  (registers the ops a region may call, for torch.export.load)
-import deepinfer.runtime.int4_matmul  # noqa: E402, F401
+import deepinfer.runtime.int_matmul  # noqa: E402, F401
 from .backends import backend_module  # noqa: E402
 
 INJECTED_ERROR_EXIT = 3

@@ -9,24 +9,23 @@ embedding (a lookup of one row a token), the router (float32 as in HF), the norm
 weight the attention reads as a matrix (kv_b_proj, absorbed into the queries): those stay in the
 recipe's dtype.
 
-    int8  per output channel, symmetric: codes int8 [out, in] in -127..127 and one bfloat16
-          scale per row [out]; w = code x scale. Computed by ATen's `_weight_int8pack_mm`
-          (bf16 activations: its fast path), which inductor turns into a fused multiply-reduce
-          reading the bytes for a one-row decode step (compiler/backends/int8_matvec.py); from
-          DECODED_FROM_ROWS rows (prompt chunks) by a bfloat16 GEMM on the weight decoded first.
+    int8  per output channel, symmetric: codes int8 in -127..127 and one bfloat16 scale per row
+          [out]; w = code x scale; the codes [..., out, in] with rows of 8 interleaved,
+          runtime/int_matmul.py's INT8_LAYOUT (the manifest's quantization_config.int8_layout).
     int4  per group of `group` inputs, asymmetric: q in 0..15 with w = (q - 8) x scale + zero
           (zero = min + 8 x scale), bfloat16 (scale, zero) per group, [..., out, in/group, 2]; the
-          codes two a byte, [..., out, in/2]; both with rows of 8 interleaved, runtime/int4_matmul.py's
-          LAYOUT (recorded in the manifest's quantization_config.int4_layout), the same for
-          linears and stacked experts.
-          Computed by our kernel `deepinfer::int4_matmul` (activations quantized to int8 blocks,
-          integer dot products; ATen's `_weight_int4pack_mm_for_cpu` decodes each nibble to float:
-          a [32000, 768] LM head, one row, 1.41 ms against the kernel's 0.59, the memory's floor),
-          which also takes a decode step's experts by id, without gathering them; from
-          int4_matmul.DECODED_FROM_ROWS rows (prompt chunks) by a bfloat16 GEMM on the weight
-          decoded first.
-    A layer whose shape a layout does not fit (int4 needs inputs a multiple of the group, outputs
-    of 8) is int8 instead, as llama.cpp falls back to another type for rows its blocks do not divide.
+          codes two a byte, [..., out, in/2]; both with rows of 8 interleaved, INT4_LAYOUT
+          (quantization_config.int4_layout).
+    Both are computed by our kernels `deepinfer::int8_matmul` / `int4_matmul` (activations
+    quantized to int8 blocks, integer dot products; ATen's `_weight_int8pack_mm` and
+    `_weight_int4pack_mm_for_cpu` decode each code to float: one row of a [32000, 1024] LM head
+    2.3x slower in int8, a [32000, 768] one 2.4x in int4), linears and stacked experts alike; a
+    decode step's experts are taken by id, never gathered. int4 products of
+    int_matmul.DECODED_FROM_ROWS rows or more (prompt chunks) are bfloat16 GEMMs on the weight
+    decoded first.
+    A layer whose shape a layout does not fit (both need outputs a multiple of 8 and inputs of
+    32; int4's inputs a multiple of the group) takes the next: int4 -> int8 -> the recipe's float
+    dtype, as llama.cpp falls back to another type for rows its blocks do not divide.
 
 Everything is quantized from the rank's float slice, so a rank's codes are those of the whole
 weight cut the same way: int4's groups never straddle ranks (checked), and int8's scale of a
@@ -39,8 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from deepinfer.runtime import int4_matmul
-from deepinfer.runtime.grouped_matmul import int8_product
+from deepinfer.runtime import int_matmul
 
 BITS = {"int8": 8, "int4": 4}
 GROUPS = (32, 64, 128, 256)  # int4 group sizes (whole blocks of the kernel's 32-column activation scales)
@@ -62,8 +60,8 @@ class IntWeights:
 
     def to_dict(self) -> dict:
         """What a manifest's model_config.quantization_config records."""
-        int4 = {"group_size": self.group, "int4_layout": int4_matmul.LAYOUT} if self.bits == 4 else {}
-        return {"quant_method": "deepinfer", "weights": self.name, **int4, "lm_head": self.head}
+        int4 = {"group_size": self.group, "int4_layout": int_matmul.INT4_LAYOUT} if self.bits == 4 else {}
+        return {"quant_method": "deepinfer", "weights": self.name, **int4, "int8_layout": int_matmul.INT8_LAYOUT, "lm_head": self.head}
 
 
 def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,10 +82,12 @@ def int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, torch.stack([scale, zero], dim=-1).bfloat16()
 
 
-def layer_bits(dim_in: int, dim_out: int, spec: IntWeights) -> int:
-    """int4 where the layout takes the shape (inputs a multiple of the group, outputs of 8), else
-    int8 (as llama.cpp falls back to another type for rows its blocks do not divide)."""
-    return 4 if spec.bits == 4 and dim_in % spec.group == 0 and dim_out % int4_matmul.ROWS == 0 else 8
+def layer_bits(dim_in: int, dim_out: int, spec: IntWeights) -> int | None:
+    """The bits a layer of this shape takes: the recipe's where its layout fits (outputs a multiple
+    of 8, inputs of 32, int4's of the group), else int8 where that fits, else None (float)."""
+    if dim_out % int_matmul.ROWS or dim_in % int_matmul.BLOCK:
+        return None
+    return 4 if spec.bits == 4 and dim_in % spec.group == 0 else 8
 
 
 class IntLinear(nn.Module):
@@ -101,11 +101,7 @@ class IntLinear(nn.Module):
         self.weight_qscale = nn.Parameter(scales, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if self.bits == 8:
-            out = int8_product(flat.to(torch.bfloat16), self.weight, self.weight_qscale)  # (ATen's fast path: bf16)
-        else:
-            out = int4_matmul.product(flat, self.weight, self.weight_qscale)
+        out = int_matmul.product(x.reshape(-1, x.shape[-1]), self.weight, self.weight_qscale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
@@ -122,71 +118,42 @@ def empty_codes(shape: tuple[int, ...], bits: int, group: int) -> tuple[torch.Te
 def int_tensors(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [..., out, in] -> its (codes, scales) as empty_codes lays them out."""
     if bits == 8:
-        return int8_codes(w)
-    return int4_matmul.pack(*int4_codes(w, group))
+        codes, scales = int8_codes(w)
+        return int_matmul.pack_int8(codes), scales
+    return int_matmul.pack_int4(*int4_codes(w, group))
 
 
 def register_stacked(module: nn.Module, name: str, experts: int, rows: int, columns: int, spec: IntWeights):
-    """Stacked expert codes `name` [E, rows, ...] and their scales `name_qscale` (empty_codes)."""
-    codes, scales = empty_codes((experts, rows, columns), layer_bits(columns, rows, spec), spec.group)
+    """Stacked expert codes `name` [E, rows, ...] and their scales `name_qscale` (empty_codes), or
+    float weights where no layout fits their shape."""
+    bits = layer_bits(columns, rows, spec)
+    if bits is None:
+        module.register_parameter(name, nn.Parameter(torch.empty(experts, rows, columns)))
+        return
+    codes, scales = empty_codes((experts, rows, columns), bits, spec.group)
     module.register_parameter(name, nn.Parameter(codes, requires_grad=False))
     module.register_parameter(name + SCALE, nn.Parameter(scales, requires_grad=False))
 
 
-class Int8Experts(NamedTuple):
-    """Every int8 expert of a stack, not dequantized: a prompt chunk's forms multiply each expert's
-    rows by its codes (moe.product, through int8_product), instead of writing the whole stack out in
-    floats first (4x its bytes, at every step)."""
+class IntExperts(NamedTuple):
+    """A stack of int8 or int4 experts, not dequantized: a decode step's rows multiply the experts
+    `ids` picks by the kernel, which reads only those (moe.product); a prompt chunk's forms (ids
+    None) take every expert by the kernel too, or int4 ones decoded (`values`) from
+    int_matmul.DECODED_FROM_ROWS rows an expert."""
 
-    codes: torch.Tensor  # [E, rows, columns] int8
-    scales: torch.Tensor  # [E, rows] bfloat16
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def matmul(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x [..., columns] @ expert's weight.T -> [..., rows] in x's dtype."""
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        return int8_product(flat, self.codes[expert], self.scales[expert]).to(x.dtype).view(*x.shape[:-1], -1)
-
-
-class RowScaled(NamedTuple):
-    """Gathered int8 experts for a decode step's reduction: the codes widened, and the row scales
-    that multiply the reduction's result rather than every code (moe.product)."""
-
-    values: torch.Tensor  # [..., rows, columns] the codes, in the activations' dtype
-    scales: torch.Tensor  # [..., rows]
-
-
-class Int4Experts(NamedTuple):
-    """A stack of int4 experts, not dequantized: a decode step's rows multiply the experts `ids`
-    picks by deepinfer::int4_matmul, which reads only those (moe.product); a prompt chunk's
-    forms (ids None) take them decoded (`values`) or, a few rows an expert, by the kernel too."""
-
-    codes: torch.Tensor  # [E, rows, columns/2] bytes
-    scale_zero: torch.Tensor  # [E, rows, columns/group, 2] bfloat16
+    codes: torch.Tensor  # [E, rows, columns] int8, or [E, rows, columns/2] int4 bytes
+    scales: torch.Tensor  # [E, rows] bfloat16, or int4's (scale, zero) [E, rows, columns/group, 2]
     ids: torch.Tensor | None = None  # [N, k] each row's experts
 
     @property
     def shape(self) -> torch.Size:
         lead = self.codes.shape[:1] if self.ids is None else self.ids.shape
-        return torch.Size((*lead, self.codes.shape[1], 2 * self.codes.shape[2]))
+        columns = self.codes.shape[2] * (2 if int_matmul.is_int4(self.codes) else 1)
+        return torch.Size((*lead, self.codes.shape[1], columns))
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
-        """Every expert's weight [E, rows, columns] in dtype."""
-        return torch.ops.deepinfer.int4_values(self.codes, self.scale_zero).to(dtype)
-
-
-def gathered_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> RowScaled:
-    """Gathered int8 codes and scales -> the weights a decode step's reduction multiplies (in
-    dtype), with the row scales apart.
-
-    Why: inductor's reduction over gathered int experts decodes every element in its loop, and
-    that arithmetic, not the bytes, sets its speed (one MoE layer's four [1280, 1024] + [1024, 640]
-    int8 experts, 2 threads, an AMD EPYC: 18.4 GB/s scaling each code, 30.2 with the scales on the
-    result, the box's read bandwidth)."""
-    return RowScaled(codes.to(dtype), scales.to(dtype))
+        """Every int4 expert's weight [E, rows, columns] in dtype."""
+        return torch.ops.deepinfer.int4_values(self.codes, self.scales).to(dtype)
 
 
 def quantized(name: str, w: torch.Tensor, codes_dtype: torch.dtype, group: int) -> dict[str, torch.Tensor]:
@@ -194,6 +161,13 @@ def quantized(name: str, w: torch.Tensor, codes_dtype: torch.dtype, group: int) 
     scales}, int8 or int4 as the model holds its codes (`codes_dtype`)."""
     codes, scales = int_tensors(w, 8 if codes_dtype == torch.int8 else 4, group)
     return {name: codes, name + SCALE: scales}
+
+
+def int8_cut_by_columns(name: str, whole: torch.Tensor, cut) -> dict[str, torch.Tensor]:
+    """An int8 weight `name` cut by columns over ranks: codes quantized over its whole rows (the
+    scales the whole rows'), `cut(codes)` the rank's columns, laid out -> {name: codes, name_qscale: scales}."""
+    codes, scales = int8_codes(whole)
+    return {name: int_matmul.pack_int8(cut(codes)), name + SCALE: scales}
 
 
 def is_int_param(tensor: torch.Tensor, name: str) -> bool:

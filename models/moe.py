@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 
 import deepinfer.runtime.grouped_matmul  # noqa: F401  (registers torch.ops.deepinfer.grouped_*)
-from deepinfer.runtime import int4_matmul
+from deepinfer.runtime import int_matmul
 
-from .int_weights import Int4Experts, Int8Experts, RowScaled
+from .int_weights import IntExperts
 
 # Places per expert in the first grouped pass, in multiples of an even share; an expert routed
 # more takes further passes (bench/moe_bench.py counts them).
@@ -139,42 +139,34 @@ def dense(x, weights, local_ids, w_gate_up, w_down, activation):
 
 def product(equation: str, x, w):
     """torch.einsum(equation, x, w) over x's last dim, with the experts' weights w as
-    models/int_weights.py gives them: int4 experts by deepinfer::int4_matmul (int4_product);
-    gathered int8 experts' RowScaled (the codes, then the row scales on the result); Int8Experts,
-    expert by expert (int_weights.int8_product; the equation's `e`: the expert axis of x, if it
-    has one, and of the output). A weight in another dtype (bf16 for a prompt chunk's GEMMs)
-    takes x in its dtype."""
-    if isinstance(w, Int4Experts):
-        return int4_product(equation, x, w)
-    if isinstance(w, RowScaled):
-        return product(equation, x, w.values) * w.scales
-    if isinstance(w, Int8Experts):
-        x_axes, out_axes = equation.split(",")[0], equation.split("->")[1]
-        per_expert = [w.matmul(x.select(x_axes.index("e"), e) if "e" in x_axes else x, e) for e in range(w.shape[0])]
-        return torch.stack(per_expert, dim=out_axes.index("e"))
+    models/int_weights.py gives them: int8 and int4 experts by their kernel (int_product). A
+    weight in another dtype (bf16 for a prompt chunk's GEMMs) takes x in its dtype."""
+    if isinstance(w, IntExperts):
+        return int_product(equation, x, w)
     return torch.einsum(equation, x.to(w.dtype), w).to(x.dtype)
 
 
-def int4_product(equation: str, x, w: Int4Experts):
-    """`product` for int4 experts, by the kernel: x [N, D] times each row's experts (w.ids [N, k],
-    or all E: the dense form) -> [N, k or E, F]; or x [A, B, I] with an expert a row (the pairs of
-    a decode step [N, k, I], the dense form's [N, E, I], the grouped form's [E, C, I]) -> [A, B, F].
-    A run of rows with the same expert reads its weight once: the dense form's rows go expert by
-    expert. From int4_matmul.DECODED_FROM_ROWS rows an expert, the experts decoded to bfloat16
-    for GEMMs."""
+def int_product(equation: str, x, w: IntExperts):
+    """`product` for int8 and int4 experts, by the kernel: x [N, D] times each row's experts (w.ids
+    [N, k], or all E: the dense form) -> [N, k or E, F]; or x [A, B, I] with an expert a row (the
+    pairs of a decode step [N, k, I], the dense form's [N, E, I], the grouped form's [E, C, I]) ->
+    [A, B, F]. A run of rows with the same expert reads its weight once: the dense form's rows go
+    expert by expert. int4 experts of int_matmul.DECODED_FROM_ROWS rows or more are decoded to
+    bfloat16 for GEMMs."""
     E, rows = w.codes.shape[:2]
     x_axes = equation.split(",")[0]
-    if w.ids is None and (x.shape[0] if x.dim() == 2 else x[..., 0].numel() // E) >= int4_matmul.DECODED_FROM_ROWS:
+    many = (x.shape[0] if x.dim() == 2 else x[..., 0].numel() // E) >= int_matmul.DECODED_FROM_ROWS
+    if w.ids is None and int_matmul.is_int4(w.codes) and many:
         return product(equation, x, w.values(torch.bfloat16))  # (rows enough an expert for a GEMM)
     every = torch.arange(E, device=x.device)
     if x.dim() == 2:
         ids = w.ids if w.ids is not None else every.expand(x.shape[0], E)
-        return int4_matmul.matmul(x, w.codes, w.scale_zero, ids).to(x.dtype)
+        return int_matmul.matmul(x, w.codes, w.scales, ids).to(x.dtype)
     ids = w.ids if w.ids is not None else every.view([E if axis == "e" else 1 for axis in x_axes[:2]]).expand(x.shape[:2])
     by_expert = w.ids is None and x_axes.index("e") == 1  # (the dense form's [N, E, I]: run each expert's rows together)
     if by_expert:
         x, ids = x.transpose(0, 1), ids.transpose(0, 1)
-    out = int4_matmul.matmul(x.reshape(-1, x.shape[-1]), w.codes, w.scale_zero, ids.reshape(-1, 1))
+    out = int_matmul.matmul(x.reshape(-1, x.shape[-1]), w.codes, w.scales, ids.reshape(-1, 1))
     out = out.to(x.dtype).view(*x.shape[:2], rows)
     return out.transpose(0, 1) if by_expert else out
 
@@ -196,10 +188,8 @@ def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):
 def grouped_product(x, w, ends):
     """x [P, D] (rows sorted by expert, `ends` [E] where each expert's rows end) times its
     expert's weight from w as models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype."""
-    if isinstance(w, Int4Experts):
-        return torch.ops.deepinfer.grouped_int4_matmul(x, w.codes, w.scale_zero, ends)
-    if isinstance(w, Int8Experts):
-        return torch.ops.deepinfer.grouped_int8_matmul(x, w.codes, w.scales, ends)
+    if isinstance(w, IntExperts):
+        return torch.ops.deepinfer.grouped_int_matmul(x, w.codes, w.scales, ends)
     return torch.ops.deepinfer.grouped_matmul(x.to(w.dtype), w, ends).to(x.dtype)
 
 

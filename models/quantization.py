@@ -154,7 +154,7 @@ Quantization = Fp8Blocks | IntWeights | None  # the checkpoint's fp8, or the rec
 def linear(dim_in: int, dim_out: int, quantization: Quantization = None, bias: bool = False) -> nn.Module:
     """nn.Linear, an Fp8Linear where the checkpoint's weights are fp8 and kept so, or an IntLinear
     where the recipe quantizes them (bias-free layers only: a biased one stays float)."""
-    if isinstance(quantization, IntWeights) and not bias:
+    if isinstance(quantization, IntWeights) and not bias and int_weights.layer_bits(dim_in, dim_out, quantization):
         return IntLinear(dim_in, dim_out, quantization)
     if isinstance(quantization, Fp8Blocks):
         return Fp8Linear(dim_in, dim_out, quantization)
@@ -209,20 +209,17 @@ def expert_weights(module: nn.Module, name: str, dtype: torch.dtype, quantizatio
     """pick(ids) -> the stacked weights `name` of experts `ids` (any index shape; None: all of
     them) in `dtype`, dequantizing only the experts picked."""
     weight = getattr(module, name)
-    int_codes = isinstance(quantization, IntWeights)
-    scales = getattr(module, name + (int_weights.SCALE if int_codes else SCALE_SUFFIX)) if quantization else None
+    int_codes = isinstance(quantization, IntWeights) and int_weights.is_int_param(weight, name)  # (not a float fallback)
+    fp8 = isinstance(quantization, Fp8Blocks)
+    scales = getattr(module, name + (int_weights.SCALE if int_codes else SCALE_SUFFIX)) if int_codes or fp8 else None
 
     def pick(ids: torch.Tensor | None = None) -> torch.Tensor:
-        if int_codes and weight.dtype != torch.int8:  # int4: the kernel takes the stack and the ids
-            return int_weights.Int4Experts(weight, scales, ids)
+        if int_codes:  # the kernel takes the stack and the ids
+            return int_weights.IntExperts(weight, scales, ids)
         w = weight if ids is None else weight[ids]
         if scales is None:
             return w
         picked = scales if ids is None else scales[ids]
-        if int_codes and ids is None:
-            return int_weights.Int8Experts(w, picked)
-        if int_codes:
-            return int_weights.gathered_values(w, picked, dtype)
         return dequantize(w, picked, dtype, quantization.block)
 
     return pick

@@ -66,7 +66,7 @@ def cache_dir() -> Path:
 
 
 def kernel_march() -> str:
-    """DEEPINFER_KERNEL_MARCH: the -march the kernels built on the host (runtime/int4_matmul.cpp)
+    """DEEPINFER_KERNEL_MARCH: the -march the kernels built on the host (runtime/int_matmul.cpp)
     are compiled for: native (the default: this CPU), or e.g. haswell (AVX2) or x86-64 (none)."""
     return os.environ.get("DEEPINFER_KERNEL_MARCH") or "native"
 

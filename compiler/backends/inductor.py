@@ -10,8 +10,8 @@ holds it lower, e.g. to avx2), recorded in the toolchain, which the runtime chec
 host. Where that ISA has no native bfloat16 math, a bf16 model's matrix products are computed in
 float32 from its bf16 operands (graph passes float32_products.py; one-row products on every host);
 what is stored stays bf16. Weights kept fp8 are decoded by integer ops inductor vectorizes
-(fp8_decode.py); one-row products with int8 weights read the codes in a fused reduction
-(int8_matvec.py)."""
+(fp8_decode.py); int8 and int4 weights are multiplied by deepinfer's own kernels
+(runtime/int_matmul.py), which the compiled code calls."""
 
 import fcntl
 import hashlib
@@ -26,7 +26,7 @@ import torch
 import torch._inductor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.compiler.backends import blocked_matmul, float32_products, fp8_decode, gathered_matvec, int8_matvec
+from deepinfer.compiler.backends import blocked_matmul, float32_products, fp8_decode, gathered_matvec
 
 EXTENSION = "aoti.pt2"
 INT_WEIGHTS = True  # model.quantize int8/int4: ATen's CPU kernels run in its regions
@@ -85,7 +85,7 @@ def compute_note(toolchain: dict, dtype: str, kept_quantized: bool) -> str | Non
     return "; ".join(notes) or None
 
 
-PASSES = (float32_products, blocked_matmul, gathered_matvec, fp8_decode, int8_matvec)  # modules whose source fingerprints regions
+PASSES = (float32_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
 
 
 class GraphPasses(CustomGraphPass):
@@ -101,7 +101,6 @@ class GraphPasses(CustomGraphPass):
             float32_products.chunk_patterns.apply(graph)
         blocked_matmul.patterns.apply(graph)
         gathered_matvec.patterns.apply(graph)
-        int8_matvec.patterns.apply(graph)
         fp8_decode.patterns.apply(graph)  # last: the passes above follow fp8 converts
 
     def uuid(self) -> str:

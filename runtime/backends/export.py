@@ -17,7 +17,7 @@ from torch._export.serde import serialize
 from torch._export.serde.union import _Union
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import grouped_matmul, int4_matmul  # noqa: F401  (register the deepinfer ops a region may call)
+from .. import grouped_matmul, int_matmul  # noqa: F401  (register the deepinfer ops a region may call)
 from ..errors import BundleError
 from ..export_schema import checked_program
 

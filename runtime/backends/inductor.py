@@ -6,7 +6,7 @@ import torch
 import torch._inductor
 from torch._inductor.cpu_vec_isa import x86_isa_checker
 
-from .. import grouped_matmul, int4_matmul  # noqa: F401  (register the deepinfer ops a region may call)
+from .. import grouped_matmul, int_matmul  # noqa: F401  (register the deepinfer ops a region may call)
 from ..errors import BundleError
 from . import private_copy
 

@@ -96,7 +96,8 @@ def test_a_bundle_generates_the_eager_quantized_models_tokens(code_bundles, quan
 def equal_but_at_a_near_tie(model, prompt: list[int], got: list[int], expected: list[int], margin: float = 0.02) -> bool:
     """The same tokens, or tokens that part where the eager model's two best logits are within
     `margin` and the bundle took the other: a longer chunk computes int4 products of
-    int4_matmul.DECODED_FROM_ROWS rows and more as bf16 GEMMs, where a shorter prompt takes the kernel."""
+    int_matmul.DECODED_FROM_ROWS rows and more as bf16 GEMMs, where a shorter prompt takes the
+    kernel; two ranks sum their halves in another order (seen: a margin of 0.0007)."""
     if got == expected:
         return True
     at = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
@@ -104,22 +105,25 @@ def equal_but_at_a_near_tie(model, prompt: list[int], got: list[int], expected: 
     return float(best.values[0] - best.values[1]) < margin and got[at] in best.indices.tolist()
 
 
-def test_int4_weights_in_another_layout_are_refused(code_bundles, tmp_path):
-    """A bundle an earlier deepinfer wrote, its int4 linears packed for ATen's kernel."""
+@pytest.mark.parametrize("quantize, key", [("int4", "int4_layout"), ("int8", "int8_layout")])
+def test_integer_weights_in_another_layout_are_refused(code_bundles, tmp_path, quantize, key):
+    """A bundle an earlier deepinfer wrote: its manifest names no layout (rows in order, for ATen's kernels)."""
     from tests.runtime.test_bundle_trust import edit_manifest
 
-    bundle = shutil.copytree(code_bundles["int4"].bundle, tmp_path / "bundle")
-    edit_manifest(bundle, lambda body: body["model_config"]["quantization_config"].update(int4_layout=None, packed_for="AVX512"))
-    with pytest.raises(BundleError, match=r"int4 weights are in the layout ATen's, packed for its AVX512 kernel .* Compile the recipe again"):
+    bundle = shutil.copytree(code_bundles[quantize].bundle, tmp_path / "bundle")
+    edit_manifest(bundle, lambda body: body["model_config"]["quantization_config"].pop(key))
+    with pytest.raises(BundleError, match=rf"{quantize} weights are in the layout an earlier deepinfer's, for ATen's kernels "
+                                          rf"\(manifest model_config.quantization_config.{key}\).* Compile the recipe again"):
         BundleExecutor(bundle)
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_world_size_2_generates_what_world_size_1_does(tmp_path, cache_dir, quantize):
     """tp 2 (o_proj and down_proj cut by columns: their int8 scales are the whole rows', their int4
-    groups whole) and ep 2 (int4: the kernel takes the other rank's experts as none). v_head_dim 32
-    and moe_intermediate_size 64: o_proj's and the shared expert's down_proj's inputs are whole
-    groups of 32 at tp 2 too (a rank slice int4 cannot take is int8, which would change the tokens)."""
+    groups whole) and ep 2 (the kernels take the other rank's experts as none). v_head_dim 32 and
+    moe_intermediate_size 64: o_proj's and the shared expert's down_proj's inputs are whole
+    groups of 32 at tp 2 too (a rank slice a layout cannot take takes the next, which would change
+    the tokens). The same tokens but at a near-tie."""
     config = {**yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"], "v_head_dim": 32, "moe_intermediate_size": 64}
     bundles = {}
     for world in (1, 2):
@@ -127,7 +131,9 @@ def test_world_size_2_generates_what_world_size_1_does(tmp_path, cache_dir, quan
                               parallel={"world_size": world, "tp": world, "ep": world},
                               methods={"decode": {"buckets": [4]}, "prefill": {"buckets": [16]}})
         bundles[world] = compile_recipe(load_recipe(recipe), cache_dir=cache_dir, progress=False).bundle
-    assert run_tokens(bundles[2], PROMPTS) == run_tokens(bundles[1], PROMPTS)
+    model = build_model(config=config, quantize=quantize)  # (whose logits say where a near-tie may part them)
+    for prompt, got, expected in zip(PROMPTS, run_tokens(bundles[2], PROMPTS), run_tokens(bundles[1], PROMPTS)):
+        assert equal_but_at_a_near_tie(model, prompt, got, expected)
 
 
 @pytest.mark.parametrize("model, backend, message", [

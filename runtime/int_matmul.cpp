@@ -1,16 +1,21 @@
-// deepinfer::int4_matmul's CPU kernel: activations quantized to int8 blocks times 4-bit weights by
-// integer dot products (AVX-512 VNNI, else AVX2, else plain C++), as llama.cpp's q4_0 x q8_0.
-// Built on the host that runs it (-march=native) by runtime/int4_matmul.py, which documents the
-// layout and holds the reference this must match.
+// deepinfer::int4_matmul and int8_matmul's CPU kernels: activations quantized to int8 blocks times
+// 4- or 8-bit weights by integer dot products (AVX-512 VNNI, else AVX2, else plain C++), as
+// llama.cpp's q4_0 x q8_0 and q8_0 x q8_0. Built on the host that runs them (-march=native) by
+// runtime/int_matmul.py, which documents the layouts and holds the references these must match.
 //
-// Weights, rows of 8 interleaved (runtime/int4_matmul.py's LAYOUT): bytes [rows/8][in/8][32], byte
-// 4r + i of 8-column unit j holding row r's column 8j + i in its low nibble and 8j + 4 + i in its
-// high one, so that a dot product of 4 bytes lands one row a lane (no sums across lanes); q in
-// 0..15 with w = (q - 8) * scale + zero, bfloat16 (scale, zero) pairs [rows/8][in/group][8].
-// Activations: per block of 32 columns, int8 codes c and a float scale d (amax / 127); per weight
-// group the float sum of x, which the zeros multiply:
-//   sum_i w_i x_i = sum_blocks scale_g * d_b * (sum_i q_i c_i - 8 sum_i c_i) + sum_groups zero_g * xsum_g
-// (q - 8 in integers, so that the activations' rounding errors meet weights centred on zero.)
+// Weights, rows of 8 interleaved, so that a dot product of 4 bytes lands one row a lane (no sums
+// across lanes):
+// - int4 (int_matmul.py's INT4_LAYOUT): bytes [rows/8][in/8][32], byte 4r + i of 8-column unit j
+//   holding row r's column 8j + i in its low nibble and 8j + 4 + i in its high one; q in 0..15
+//   with w = (q - 8) * scale + zero, bfloat16 (scale, zero) pairs [rows/8][in/group][8].
+// - int8 (INT8_LAYOUT): codes [rows/8][in/4][32], byte 4r + i of 4-column unit j holding row r's
+//   column 4j + i; w = code * scale, a bfloat16 scale a row [rows].
+// Activations: per block of 32 columns, int8 codes c and a float scale d (amax / 127); for int4,
+// per weight group the float sum of x, which the zeros multiply:
+//   int4: sum_i w_i x_i = sum_blocks scale_g * d_b * (sum_i q_i c_i - 8 sum_i c_i) + sum_groups zero_g * xsum_g
+//   int8: sum_i w_i x_i = scale * sum_blocks d_b * sum_i code_i c_i
+// (q - 8 in integers, so that the activations' rounding errors meet weights centred on zero. VNNI
+// multiplies unsigned by signed bytes: int8 codes go in as code + 128, and 128 sum_i c_i comes off.)
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -35,7 +40,8 @@ using torch::headeronly::ScalarType;
 
 constexpr int64_t BLOCK = 32;     // activation columns sharing one int8 scale
 constexpr int64_t ROWS = 8;       // weight rows interleaved (one a lane of 8 int32)
-constexpr int64_t UNIT = 8;       // weight columns of one 32-byte load (4 low nibbles, 4 high, a row)
+constexpr int64_t UNIT = 8;       // int4 weight columns of one 32-byte load (4 low nibbles, 4 high, a row)
+constexpr int64_t UNIT8 = 4;      // int8 weight columns of one 32-byte load (4 bytes a row)
 constexpr int64_t ROW_BLOCKS = 2; // row blocks a task takes (its weights stay in L1 over a run of x rows)
 
 float bits_to_float(uint32_t bits) {
@@ -47,7 +53,7 @@ float bits_to_float(uint32_t bits) {
 struct QuantizedRows {
   std::vector<int8_t> codes;  // [X, in]
   std::vector<float> scales;  // [X, in / BLOCK]
-  std::vector<int32_t> code_sums;  // [X, in / BLOCK]: 8 x the sum of each block's codes
+  std::vector<int32_t> code_sums;  // [X, in / BLOCK]: the sum of each block's codes
   std::vector<float> sums;    // [X, in / group]
 };
 
@@ -63,7 +69,7 @@ void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, floa
       sum += codes[b * BLOCK + i];
     }
     scales[b] = amax / 127.f;
-    code_sums[b] = 8 * sum;
+    code_sums[b] = sum;
   }
   for (int64_t g = 0; g < in / group; ++g) {
     float sum = 0.f;
@@ -75,7 +81,7 @@ void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, floa
 float scale_of(uint32_t pair) { return bits_to_float(pair << 16); }          // (scale, zero) bfloat16 pair:
 float zero_of(uint32_t pair) { return bits_to_float(pair & 0xFFFF0000u); }  // scale in the low half
 
-// One quantized activation row: codes [in], block scales [in/32], 8 x block code sums, group sums [in/group].
+// One quantized activation row: codes [in], block scales [in/32], block code sums, group sums [in/group].
 struct Activation {
   const int8_t* c;
   const float* x_scale;
@@ -95,10 +101,11 @@ __m256i dot4(__m256i acc, __m256i nibbles, const int8_t* c) {
 #endif
 }
 
-// One row block (8 weight rows: bytes w [in/8][32], pairs [groups][8]) times R activation rows
-// (R <= 4: a run's rows share each load and nibble split) -> out[t][0..8).
+// One int4 row block (8 weight rows: bytes w [in/8][32], (scale, zero) pairs [groups][8]) times R
+// activation rows (R <= 4: a run's rows share each load and nibble split) -> out[t][0..8).
 template <int R>
-void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, int64_t in, int64_t group, float* const* out) {
+void block_dots(const uint8_t* w, const uint8_t* scales, const Activation* a, int64_t in, int64_t group, float* const* out) {
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scales);
   // Independent dot-product chains per activation row: a block's 8 products in one chain wait on
   // each other's latency; fewer rows leave the integer units idle without more chains.
   constexpr int CHAINS = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -127,7 +134,7 @@ void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, in
       for (int t = 0; t < R; ++t) {
         __m256i dots = _mm256_add_epi32(low_dots[t][0], high_dots[t][0]);
         for (int c = 1; c < CHAINS; ++c) dots = _mm256_add_epi32(dots, _mm256_add_epi32(low_dots[t][c], high_dots[t][c]));
-        const __m256i centred = _mm256_sub_epi32(dots, _mm256_set1_epi32(a[t].code_sums[b]));
+        const __m256i centred = _mm256_sub_epi32(dots, _mm256_set1_epi32(8 * a[t].code_sums[b]));
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, _mm256_set1_ps(a[t].x_scale[b])), acc[t]);
       }
     }
@@ -137,14 +144,15 @@ void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, in
 }
 #else
 template <int R>
-void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, int64_t in, int64_t group, float* const* out) {
+void block_dots(const uint8_t* w, const uint8_t* scales, const Activation* a, int64_t in, int64_t group, float* const* out) {
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(scales);
   for (int t = 0; t < R; ++t)
     for (int64_t r = 0; r < ROWS; ++r) {
       float total = 0.f;
       for (int64_t g = 0; g < in / group; ++g) {
         const uint32_t pair = pairs[g * ROWS + r];
         for (int64_t b = g * group / BLOCK; b < (g + 1) * group / BLOCK; ++b) {
-          int32_t dot = -a[t].code_sums[b];
+          int32_t dot = -8 * a[t].code_sums[b];
           for (int64_t j = b * BLOCK / UNIT; j < (b + 1) * BLOCK / UNIT; ++j)
             for (int64_t i = 0; i < 4; ++i) {
               const uint8_t byte = w[j * 32 + 4 * r + i];
@@ -159,40 +167,107 @@ void block_dots(const uint8_t* w, const uint32_t* pairs, const Activation* a, in
 }
 #endif
 
-constexpr int MAX_RUN_ROWS = 4;  // activation rows block_dots takes at once
-void (*const block_dots_of[MAX_RUN_ROWS + 1])(const uint8_t*, const uint32_t*, const Activation*, int64_t, int64_t, float* const*) = {
-    nullptr, block_dots<1>, block_dots<2>, block_dots<3>, block_dots<4>};
+float bf16_to_float(uint16_t bits) { return bits_to_float(uint32_t(bits) << 16); }
+
+#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int32_t INT8_OFFSET = 128;  // (VNNI's unsigned operand: code + 128; 128 x the block's code sum comes off)
+__m256i int8_operand(__m256i codes) { return _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80))); }
+__m256i dot4_int8(__m256i acc, __m256i operand, __m256i, const int8_t* c) {
+  int32_t four;
+  std::memcpy(&four, c, 4);
+  return _mm256_dpbusd_epi32(acc, operand, _mm256_set1_epi32(four));
+}
+#else  // (|code| times the activation signed as the code: pairs fit int16, 127 * 127 * 2)
+constexpr int32_t INT8_OFFSET = 0;
+__m256i int8_operand(__m256i codes) { return _mm256_sign_epi8(codes, codes); }
+__m256i dot4_int8(__m256i acc, __m256i operand, __m256i codes, const int8_t* c) {
+  int32_t four;
+  std::memcpy(&four, c, 4);
+  const __m256i products = _mm256_maddubs_epi16(operand, _mm256_sign_epi8(_mm256_set1_epi32(four), codes));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+}
+#endif
+
+// One int8 row block (8 weight rows: codes w [in/4][32], scales [8] bfloat16) times R activation
+// rows -> out[t][0..8).
+template <int R>
+void block_dots8(const uint8_t* w, const uint8_t* scales, const Activation* a, int64_t in, int64_t, float* const* out) {
+  constexpr int CHAINS = R == 1 ? 4 : R == 2 ? 2 : 1;  // (as block_dots)
+  __m256 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < in / BLOCK; ++b) {
+    __m256i dots[R][CHAINS];
+    for (int t = 0; t < R; ++t)
+      for (int c = 0; c < CHAINS; ++c) dots[t][c] = _mm256_setzero_si256();
+    for (int64_t u = 0; u < BLOCK / UNIT8; ++u) {
+      const int64_t j = b * BLOCK / UNIT8 + u;
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 32));
+      const __m256i operand = int8_operand(codes);
+      for (int t = 0; t < R; ++t) dots[t][u % CHAINS] = dot4_int8(dots[t][u % CHAINS], operand, codes, a[t].c + j * UNIT8);
+    }
+    for (int t = 0; t < R; ++t) {
+      __m256i sum = dots[t][0];
+      for (int c = 1; c < CHAINS; ++c) sum = _mm256_add_epi32(sum, dots[t][c]);
+      sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(INT8_OFFSET * a[t].code_sums[b]));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a[t].x_scale[b]), acc[t]);
+    }
+  }
+  const __m128i scale_bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+  const __m256 row_scales = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(scale_bits), 16));
+  for (int t = 0; t < R; ++t) _mm256_storeu_ps(out[t], _mm256_mul_ps(acc[t], row_scales));
+}
+#else
+template <int R>
+void block_dots8(const uint8_t* w, const uint8_t* scales, const Activation* a, int64_t in, int64_t, float* const* out) {
+  const uint16_t* row_scales = reinterpret_cast<const uint16_t*>(scales);
+  for (int t = 0; t < R; ++t)
+    for (int64_t r = 0; r < ROWS; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < in / BLOCK; ++b) {
+        int32_t dot = 0;
+        for (int64_t j = b * BLOCK / UNIT8; j < (b + 1) * BLOCK / UNIT8; ++j)
+          for (int64_t i = 0; i < 4; ++i) dot += int32_t(int8_t(w[j * 32 + 4 * r + i])) * a[t].c[j * UNIT8 + i];
+        total += float(dot) * a[t].x_scale[b];
+      }
+      out[t][r] = total * bf16_to_float(row_scales[r]);
+    }
+}
+#endif
+
+constexpr int MAX_RUN_ROWS = 4;  // activation rows a block's dots take at once
+// A format's dots for one row block times 1..MAX_RUN_ROWS activation rows (index: the rows).
+using BlockDots = void (*)(const uint8_t* w, const uint8_t* scales, const Activation* a, int64_t in, int64_t group, float* const* out);
+constexpr BlockDots INT4_DOTS[MAX_RUN_ROWS + 1] = {nullptr, block_dots<1>, block_dots<2>, block_dots<3>, block_dots<4>};
+constexpr BlockDots INT8_DOTS[MAX_RUN_ROWS + 1] = {nullptr, block_dots8<1>, block_dots8<2>, block_dots8<3>, block_dots8<4>};
+
+// A stack of E weights [E, rows, ...] in one format: each weight row's code and scale bytes.
+struct Weights {
+  const uint8_t* codes;
+  int64_t code_bytes;  // a row's
+  const uint8_t* scales;
+  int64_t scale_bytes;  // a row's
+  const BlockDots* dots;
+};
 
 // out [X, k, rows] (k = 1 without ids): x row p times expert ids[p, j]'s weight (zeros for an id
 // outside [0, E)). Tasks are (run, ROW_BLOCKS row blocks); a run is consecutive x rows with
 // the same expert in one column j of ids (a prompt chunk's rows sorted by expert, or a linear's
 // rows), so a tile's weights are read from memory once per run.
-Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tensor> ids) {
-  STD_TORCH_CHECK(x.scalar_type() == ScalarType::Float && x.is_contiguous() && x.dim() == 2,
-                  "int4_matmul: x must be contiguous float32 [X, in]");
-  STD_TORCH_CHECK(codes.scalar_type() == ScalarType::Byte && codes.is_contiguous(), "int4_matmul: codes must be contiguous uint8");
-  STD_TORCH_CHECK(scale_zero.scalar_type() == ScalarType::BFloat16 && scale_zero.is_contiguous(),
-                  "int4_matmul: scale_zero must be contiguous bfloat16");
-  const bool experts = ids.has_value();
-  STD_TORCH_CHECK(codes.dim() == (experts ? 3 : 2), "int4_matmul: codes must be [E, rows, in/2] with ids, [rows, in/2] without");
-  const int64_t X = x.size(0), in = x.size(1);
-  const int64_t E = experts ? codes.size(0) : 1, rows = codes.size(-2);
-  const int64_t groups = scale_zero.size(-2), group = in / std::max<int64_t>(groups, 1);
-  STD_TORCH_CHECK(codes.size(-1) * 2 == in && groups * group == in && group % BLOCK == 0 && rows % ROWS == 0,
-                  "int4_matmul: inputs must be a multiple of the group (a multiple of 32), rows of 8");
-  const int64_t k = experts ? ids->size(1) : 1;
+Tensor products(const Tensor& x, const std::optional<Tensor>& ids, int64_t E, int64_t rows, int64_t group, const Weights& weights,
+                const char* op) {
+  const int64_t X = x.size(0), in = x.size(1), groups = in / group;
+  const int64_t k = ids.has_value() ? ids->size(1) : 1;
   std::vector<int64_t> expert(X * k, 0);
-  if (experts) {
+  if (ids.has_value()) {
     STD_TORCH_CHECK(ids->scalar_type() == ScalarType::Long && ids->is_contiguous() && ids->dim() == 2 && ids->size(0) == X,
-                    "int4_matmul: ids must be contiguous int64 [X, k]");
+                    op, ": ids must be contiguous int64 [X, k]");
     std::memcpy(expert.data(), ids->const_data_ptr(), sizeof(int64_t) * X * k);
   }
 
   Tensor out = torch::stable::new_empty(x, {X, k, rows});
   float* y = static_cast<float*>(out.mutable_data_ptr());
   const float* xs = static_cast<const float*>(x.const_data_ptr());
-  const uint8_t* w = static_cast<const uint8_t*>(codes.const_data_ptr());
-  const uint32_t* sz = static_cast<const uint32_t*>(scale_zero.const_data_ptr());
 
   QuantizedRows q{std::vector<int8_t>(X * in), std::vector<float>(X * in / BLOCK), std::vector<int32_t>(X * in / BLOCK),
                   std::vector<float>(X * groups)};
@@ -227,13 +302,46 @@ Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tens
           }
           const int64_t first_row = run.expert * rows + block * ROWS;
           if (owned)
-            block_dots_of[n](w + first_row * in / 2, sz + first_row * groups, a, in, group, out_rows);
+            weights.dots[n](weights.codes + first_row * weights.code_bytes, weights.scales + first_row * weights.scale_bytes, a, in,
+                            group, out_rows);
           else
             for (int t = 0; t < n; ++t) std::fill_n(out_rows[t], ROWS, 0.f);
         }
     }
   });
   return out;
+}
+
+void check_x(const Tensor& x, const char* op) {
+  STD_TORCH_CHECK(x.scalar_type() == ScalarType::Float && x.is_contiguous() && x.dim() == 2, op, ": x must be contiguous float32 [X, in]");
+}
+
+Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tensor> ids) {
+  check_x(x, "int4_matmul");
+  STD_TORCH_CHECK(codes.scalar_type() == ScalarType::Byte && codes.is_contiguous(), "int4_matmul: codes must be contiguous uint8");
+  STD_TORCH_CHECK(scale_zero.scalar_type() == ScalarType::BFloat16 && scale_zero.is_contiguous(),
+                  "int4_matmul: scale_zero must be contiguous bfloat16");
+  STD_TORCH_CHECK(codes.dim() == (ids.has_value() ? 3 : 2), "int4_matmul: codes must be [E, rows, in/2] with ids, [rows, in/2] without");
+  const int64_t in = x.size(1), E = ids.has_value() ? codes.size(0) : 1, rows = codes.size(-2);
+  const int64_t groups = scale_zero.size(-2), group = in / std::max<int64_t>(groups, 1);
+  STD_TORCH_CHECK(codes.size(-1) * 2 == in && groups * group == in && group % BLOCK == 0 && rows % ROWS == 0,
+                  "int4_matmul: inputs must be a multiple of the group (a multiple of 32), rows of 8");
+  const Weights weights{static_cast<const uint8_t*>(codes.const_data_ptr()), in / 2,
+                        static_cast<const uint8_t*>(scale_zero.const_data_ptr()), groups * 4, INT4_DOTS};
+  return products(x, ids, E, rows, group, weights, "int4_matmul");
+}
+
+Tensor int8_matmul(Tensor x, Tensor codes, Tensor scales, std::optional<Tensor> ids) {
+  check_x(x, "int8_matmul");
+  STD_TORCH_CHECK(codes.scalar_type() == ScalarType::Char && codes.is_contiguous(), "int8_matmul: codes must be contiguous int8");
+  STD_TORCH_CHECK(scales.scalar_type() == ScalarType::BFloat16 && scales.is_contiguous(), "int8_matmul: scales must be contiguous bfloat16");
+  STD_TORCH_CHECK(codes.dim() == (ids.has_value() ? 3 : 2), "int8_matmul: codes must be [E, rows, in] with ids, [rows, in] without");
+  const int64_t in = x.size(1), E = ids.has_value() ? codes.size(0) : 1, rows = codes.size(-2);
+  STD_TORCH_CHECK(codes.size(-1) == in && in % BLOCK == 0 && rows % ROWS == 0 && scales.numel() == E * rows,
+                  "int8_matmul: inputs must be a multiple of 32, rows of 8, a scale a row");
+  const Weights weights{static_cast<const uint8_t*>(codes.const_data_ptr()), in, static_cast<const uint8_t*>(scales.const_data_ptr()), 2,
+                        INT8_DOTS};
+  return products(x, ids, E, rows, in, weights, "int8_matmul");
 }
 
 uint16_t float_to_bf16(float f) {  // (round to nearest even; the weights are finite)
@@ -319,4 +427,5 @@ Tensor int4_values(Tensor codes, Tensor scale_zero) {
 STABLE_TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("int4_matmul", TORCH_BOX(&int4_matmul));
   m.impl("int4_values", TORCH_BOX(&int4_values));
+  m.impl("int8_matmul", TORCH_BOX(&int8_matmul));
 }

@@ -1,0 +1,233 @@
+"""Integer weights times activations: the custom ops the regions call for int8 and int4 linears and experts.
+
+    torch.ops.deepinfer.int4_matmul(x, codes, scale_zero, None)  # a linear: codes [rows, in/2] -> [X, 1, rows]
+    torch.ops.deepinfer.int4_matmul(x, codes, scale_zero, ids)   # experts [E, rows, in/2], ids [X, k] -> [X, k, rows]
+    torch.ops.deepinfer.int8_matmul(x, codes, scales, ids)       # int8 codes [E, rows, in] (or [rows, in], ids None)
+    torch.ops.deepinfer.int4_values(codes, scale_zero)           # the int4 weights in bfloat16 [..., rows, in]
+
+x [X, in] float32. With ids, x row p is multiplied by expert ids[p, j]'s weight for each j (zeros
+for an id outside [0, E): a pair another rank computes). Both layouts interleave rows 8 at a time,
+so that a 4-byte integer dot product lands one row a lane, as in the repacked layouts of llama.cpp
+and ATen:
+- int4 (INT4_LAYOUT): q in 0..15, w = (q - 8) * scale + zero, bfloat16 (scale, zero) per group of
+  inputs (`pack_int4`): the codes [..., rows, in/2] hold, for each block of 8 rows, units of 32
+  bytes, byte 4r + i of unit j holding row r's column 8j + i in its low nibble and 8j + 4 + i in
+  its high one; the (scale, zero) pairs [..., rows, in/group, 2] hold, for each block of 8 rows,
+  group by group, the 8 rows' pairs (a group's 8 scales are one load).
+- int8 (INT8_LAYOUT): codes in -127..127, w = code * scale, a bfloat16 scale a row [..., rows]
+  (`pack_int8`): the codes [..., rows, in] hold, for each block of 8 rows, units of 32 bytes,
+  byte 4r + i of unit j holding row r's column 4j + i.
+
+How: as llama.cpp's q4_0 / q8_0 x q8_0, the activations are quantized to int8 per block of 32
+(scale amax / 127) and multiplied by the codes with integer dot products (AVX-512 VNNI, else AVX2's
+maddubs), a float multiply-add per block for the activation scales; int4's scales per block, its
+zeros once per group against the group's sum of x (q - 8 in integers: the sum of a block's
+activation codes, once per row); int8's row scales once at the end. A decode step reads the bytes
+at the memory's rate this way: one row of the 190M's int4 LM head from memory 0.66 ms (28 GB/s,
+the box's read rate); decoding each code to float first (inductor's loops, ATen's
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`) costs more arithmetic than the bytes take
+to arrive (bench/quantized_matmul_bench.py).
+
+A prompt chunk's int4 products of DECODED_FROM_ROWS rows or more are GEMMs on the weights decoded
+by `int4_values` (in inductor's loops, decoding a layout whose nibbles land apart wrote 0.8 GB/s of
+bfloat16). int8's kernel is faster than that at every prompt size measured (up to 512 rows).
+
+The kernels (int_matmul.cpp) are compiled on the host that runs them, for its CPU (-march=native),
+once per source, torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels,
+~2 s); they use torch's own threads. Where no C++ compiler works, `reference` and `values` (the
+same arithmetic in torch, slower) run instead, with a warning.
+"""
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import knobs
+
+INT4_LAYOUT = "int4-rows-of-8"  # the manifest's quantization_config.int4_layout for the layout above
+INT8_LAYOUT = "int8-rows-of-8"  # and its int8_layout
+ROWS = 8  # weight rows interleaved
+BLOCK = 32  # activation columns sharing an int8 scale
+# From this many rows an int4 product is faster as a bfloat16 GEMM on the weight decoded by
+# int4_values (2 threads, an AMD EPYC, eager, ms, the kernel / the decoding + oneDNN's GEMM; int4 [2816, 1024]:
+# 16 rows 0.44 / 0.57, 32 0.93 / 0.80, 48 0.96 / 1.01, 64 1.21 / 1.22, 128 2.60 / 2.30; [1280, 1024]:
+# 16 rows 0.15 / 0.27, 32 0.32 / 0.37, 48 0.43 / 0.48, 64 0.59 / 0.56, 128 1.13 / 0.95).
+DECODED_FROM_ROWS = 64
+SOURCE = Path(__file__).with_name("int_matmul.cpp")
+log = logging.getLogger(__name__)
+
+torch.library.define("deepinfer::int4_matmul", "(Tensor x, Tensor codes, Tensor scale_zero, Tensor? ids) -> Tensor")
+torch.library.define("deepinfer::int4_values", "(Tensor codes, Tensor scale_zero) -> Tensor")
+torch.library.define("deepinfer::int8_matmul", "(Tensor x, Tensor codes, Tensor scales, Tensor? ids) -> Tensor")
+
+
+@torch.library.register_fake("deepinfer::int4_matmul")
+@torch.library.register_fake("deepinfer::int8_matmul")
+def _(x, codes, scales, ids):
+    return x.new_empty(x.shape[0], 1 if ids is None else ids.shape[1], codes.shape[-2])
+
+
+@torch.library.register_fake("deepinfer::int4_values")
+def _(codes, scale_zero):
+    return codes.new_empty(*codes.shape[:-1], 2 * codes.shape[-1], dtype=torch.bfloat16)
+
+
+def is_int4(codes: torch.Tensor) -> bool:
+    """int4 codes are bytes of two nibbles (uint8); int8 ones int8."""
+    return codes.dtype == torch.uint8
+
+
+def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The op for the codes' format on x in the form the kernels take (contiguous float32): [X, k or 1, rows] float32."""
+    op = torch.ops.deepinfer.int4_matmul if is_int4(codes) else torch.ops.deepinfer.int8_matmul
+    return op(x.float().contiguous(), codes, scales, None if ids is None else ids.contiguous())
+
+
+def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times one int8 or int4 weight -> [M, out] float32: by the kernel, but for int4
+    from DECODED_FROM_ROWS rows by a bfloat16 GEMM on the weight decoded (F.linear, which a
+    region's graph can hold: ATen sends bf16 to oneDNN)."""
+    if is_int4(codes) and x.shape[0] >= DECODED_FROM_ROWS:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes, scales)).float()
+    return matmul(x, codes, scales).squeeze(1)
+
+
+def pack_int4(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q [..., rows, in] in 0..15 (rows a multiple of 8) and their (scale, zero) [..., rows,
+    in/group, 2] -> (bytes [..., rows, in/2], pairs [..., rows, in/group, 2]) in INT4_LAYOUT."""
+    *lead, rows, width = q.shape
+    units = q.to(torch.uint8).reshape(*lead, rows // ROWS, ROWS, width // 8, 2, 4)  # [..., block, r, j, (low, high), i]
+    codes = (units[..., 0, :] | (units[..., 1, :] << 4)).transpose(-3, -2)  # [..., block, j, r, i]
+    pairs = scale_zero.reshape(*lead, rows // ROWS, ROWS, -1, 2).transpose(-3, -2)  # [..., block, group, r, 2]
+    return codes.reshape(*lead, rows, width // 2).contiguous(), pairs.reshape(scale_zero.shape).contiguous()
+
+
+def unpack_int4(codes: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_int4` undone: (q [..., rows, in] as float32, (scale, zero) [..., rows, in/group, 2] in row order)."""
+    *lead, rows, half = codes.shape
+    units = codes.reshape(*lead, rows // ROWS, half // 4, ROWS, 4)  # [..., block, j, r, i]
+    q = torch.stack([units & 0xF, units >> 4], dim=-2).to(torch.float32)  # [..., block, j, r, (low, high), i]
+    pairs = scale_zero.reshape(*lead, rows // ROWS, -1, ROWS, 2).transpose(-3, -2)
+    return q.transpose(-4, -3).reshape(*lead, rows, 2 * half), pairs.reshape(scale_zero.shape)
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [..., rows, in] (rows a multiple of 8, in of 4) -> the same bytes in INT8_LAYOUT."""
+    *lead, rows, width = codes.shape
+    units = codes.reshape(*lead, rows // ROWS, ROWS, width // 4, 4).transpose(-3, -2)  # [..., block, j, r, i]
+    return units.reshape(codes.shape).contiguous()
+
+
+def unpack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """`pack_int8` undone: codes [..., rows, in] in row order."""
+    *lead, rows, width = codes.shape
+    return codes.reshape(*lead, rows // ROWS, width // 4, ROWS, 4).transpose(-3, -2).reshape(codes.shape)
+
+
+def values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Codes and scales in their layout -> weights [..., rows, in] in dtype, in torch."""
+    if not is_int4(codes):
+        return (unpack_int8(codes).float() * scales.float()[..., None]).to(dtype)
+    q, scale_zero = unpack_int4(codes, scales)
+    grouped = q.unflatten(-1, (scale_zero.shape[-2], -1)) - 8
+    scale, zero = scale_zero.float().unbind(-1)
+    return (grouped * scale[..., None] + zero[..., None]).flatten(-2).to(dtype)
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' arithmetic in torch (activations quantized the same way): where they cannot be built, and for tests."""
+    if ids is None:
+        codes, scales, ids = codes[None], scales[None], x.new_zeros(x.shape[0], 1, dtype=torch.int64)
+    (X, width), k, rows = x.shape, ids.shape[1], codes.shape[1]
+    blocks = x.float().view(X, -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    activation = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0))  # [X, in/32, 32] int8 values
+    block_scale = (amax / 127).squeeze(-1)  # [X, in/32]
+    out = x.new_zeros(X, k, rows, dtype=torch.float32)
+    for expert in ids.unique().tolist():
+        if not 0 <= expert < codes.shape[0]:
+            continue
+        p, j = (ids == expert).nonzero(as_tuple=True)
+        if not is_int4(codes):
+            weight = unpack_int8(codes[expert]).float().view(rows, -1, BLOCK)  # [rows, in/32, 32]
+            dots = torch.einsum("pbi,rbi->prb", activation[p], weight)  # exact integers in float32
+            out[p, j] = (dots * block_scale[p][:, None]).sum(-1) * scales[expert].float()
+            continue
+        groups = scales.shape[-2]
+        q, pairs = unpack_int4(codes[expert], scales[expert])
+        centred = q.view(rows, -1, BLOCK) - 8  # [rows, in/32, 32]
+        scale, zero = pairs.float().unbind(-1)  # [rows, groups]
+        dots = torch.einsum("pbi,rbi->prb", activation[p], centred)
+        per_block = scale.repeat_interleave(width // groups // BLOCK, dim=-1)  # [rows, in/32]
+        zeros = x.float()[p].view(len(p), groups, -1).sum(-1) @ zero.T  # [pairs, rows]: each group's sum of x times its zeros
+        out[p, j] = (dots * per_block * block_scale[p][:, None]).sum(-1) + zeros
+    return out
+
+
+def _host_key(command: list[str]) -> str:
+    """What the built kernel depends on: its source, torch, the compiler, its flags and this CPU's features."""
+    cpu = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
+    parts = [SOURCE.read_bytes(), torch.__version__, version, " ".join(command), cpu, os.uname().machine]
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:20]
+
+
+def _build() -> Path:
+    """The kernel library for this host, compiled into the cache unless there already."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++ on PATH, or CXX)")
+    torch_dir = Path(torch.__file__).parent
+    command = [compiler, "-O3", f"-march={knobs.kernel_march()}", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+               f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
+               f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    target = knobs.cache_dir() / "kernels" / f"int_matmul-{_host_key(command)}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # (ranks may build at once: each renames its own)
+        built = Path(scratch) / target.name
+        command += ["-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"`{' '.join(command)}` failed:\n{result.stderr[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def _register() -> bool:
+    """Load the built kernel as the ops' CPU implementation; the torch reference if it cannot be
+    built, which says so when integer weights first use it (a host without a compiler running float
+    bundles hears nothing)."""
+    try:
+        torch.ops.load_library(str(_build()))
+        return True
+    except (OSError, RuntimeError) as error:
+        unwarned = [error]
+
+        def warn_once():
+            if unwarned:
+                log.warning("deepinfer: the int8/int4 kernels could not be built here, so integer weights run through their torch "
+                            "reference, several times slower (%s). Install g++ (or set CXX) for the fast kernel.", unwarned.pop())
+
+        def matmul_reference(x, codes, scales, ids):
+            warn_once()
+            return reference(x, codes, scales, ids)
+
+        def values_reference(codes, scales):
+            warn_once()
+            return values(codes, scales, torch.bfloat16)
+
+        for op in ("int4_matmul", "int8_matmul"):
+            torch.library.impl(f"deepinfer::{op}", "CPU")(matmul_reference)
+        torch.library.impl("deepinfer::int4_values", "CPU")(values_reference)
+        return False
+
+
+KERNEL_BUILT = _register()

@@ -1,0 +1,44 @@
+"""int8 and int4 linears and experts call deepinfer's kernels (runtime/int_matmul.py) from inductor's
+compiled code: a decode step's experts by id, never gathered or decoded; a prompt chunk's int4
+linears decode the weight for a bf16 GEMM in a graph torch.export can save."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.models.int_weights import IntExperts, IntLinear, IntWeights, int_tensors
+from deepinfer.models.moe import gathered
+from deepinfer.runtime.int_matmul import DECODED_FROM_ROWS
+from tests.compiler.test_gathered_matvec import compiled_code
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_linears_and_experts_call_the_kernel_from_compiled_code(bits):
+    torch.manual_seed(0)
+    E, k, D, I = 16, 4, 64, 128
+    gate_up, down = int_tensors(torch.randn(E, 2 * I, D), bits, 32), int_tensors(torch.randn(E, D, I), bits, 32)
+    linear = IntLinear(D, 48, IntWeights(bits))
+    linear.weight.data, linear.weight_qscale.data = int_tensors(torch.randn(48, D), bits, 32)
+
+    def decode_step(x, weights, ids, codes_gate_up, scales_gate_up, codes_down, scales_down):
+        y = gathered(x, weights, ids, lambda ids: IntExperts(codes_gate_up, scales_gate_up, ids),
+                     lambda ids: IntExperts(codes_down, scales_down, ids), lambda gate, up: F.silu(gate) * up)
+        return linear(y)
+
+    args = (torch.randn(1, D), torch.rand(1, k), torch.randperm(E)[:k][None], *gate_up, *down)
+    got, code = compiled_code(decode_step, *args)
+    torch.testing.assert_close(got, decode_step(*args), atol=1e-4, rtol=1e-4)
+    assert code.count(f"torch.ops.deepinfer.int{bits}_matmul.default(") == 3 and "extern_kernels.mm(" not in code, code
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_prompt_chunks_linear_saves_through_torch_export(tmp_path, bits):
+    """Many rows: int8 by the kernel still (faster than a GEMM at every prompt size measured), int4
+    by a bf16 GEMM on the weight decoded."""
+    linear = IntLinear(64, 48, IntWeights(bits))
+    linear.weight.data, linear.weight_qscale.data = int_tensors(torch.randn(48, 64), bits, 32)
+    x = torch.randn(DECODED_FROM_ROWS, 64)
+    program = torch.export.export(linear, (x,))
+    torch.export.save(program, tmp_path / "linear.pt2")
+    torch.testing.assert_close(torch.export.load(tmp_path / "linear.pt2").module()(x), linear(x))
+    assert ("int8_matmul" in str(program.graph)) == (bits == 8) and "int4_matmul" not in str(program.graph)

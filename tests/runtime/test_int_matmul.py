@@ -1,0 +1,117 @@
+"""deepinfer::int8_matmul, int4_matmul and int4_values (runtime/int_matmul.py): the kernels built here do the
+reference's arithmetic, in their AVX-512 VNNI, AVX2 and plain C++ builds, and stay within the
+activations' 8-bit rounding of the float product; without a compiler the reference runs, saying so."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer.models.int_weights import int4_codes, int8_codes, int_tensors
+from deepinfer.runtime import int_matmul
+from tests.conftest import ROOT
+
+# (X rows, k experts a row, E, rows, in, group): groups of one to four blocks; 6 rows of one expert
+# make runs of 4 and 2; sorted ids make runs of rows that share an expert; -1 and E: no expert here.
+SHAPES = [(1, 4, 16, 96, 1024, 32), (3, 2, 4, 40, 192, 64), (6, 1, 3, 24, 320, 32), (5, 1, 2, 16, 256, 128), (6, 1, 1, 8, 96, 32)]
+
+
+def case(X, k, E, rows, width, group, bits=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    codes, scales = int_tensors(torch.randn(E, rows, width, generator=generator), bits, group)
+    x = torch.randn(X, width, generator=generator) * torch.rand(X, 1, generator=generator) * 4
+    x[0, :32] = 0  # (a block of zeros: its scale is 0)
+    ids = torch.randint(-1, E + 1, (X, k), generator=generator).sort(dim=0).values
+    return x, codes, scales, ids
+
+
+def float_product(x, codes, scales, ids):
+    w = int_matmul.values(codes, scales, torch.float32)[ids.clamp(0, codes.shape[0] - 1)]  # [X, k, rows, in]
+    return torch.einsum("xi,xkri->xkr", x, w) * ((ids >= 0) & (ids < codes.shape[0]))[..., None]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_does_the_references_arithmetic_close_to_the_float_product(shape, bits):
+    x, codes, scales, ids = case(*shape, bits=bits)
+    got = int_matmul.matmul(x, codes, scales, ids)
+    torch.testing.assert_close(got, int_matmul.reference(x, codes, scales, ids), atol=1e-4, rtol=1e-5)
+    exact = float_product(x, codes, scales, ids)
+    assert (got - exact).norm() < 0.02 * exact.norm()  # (8-bit activations: ~1% of the product)
+    linear = int_matmul.matmul(x, codes[0], scales[0])
+    torch.testing.assert_close(linear, int_matmul.reference(x, codes[0], scales[0], None), atol=1e-4, rtol=1e-5)
+
+
+def test_int4_pack_interleaves_rows_of_8_and_unpack_undoes_it():
+    q, scale_zero = torch.randint(0, 16, (2, 16, 64)), torch.randn(2, 16, 2, 2).bfloat16()
+    codes, pairs = int_matmul.pack_int4(q, scale_zero)
+    assert codes.shape == (2, 16, 32) and pairs.shape == scale_zero.shape
+    # expert 1, row block 1, unit j = 3 (columns 24-31), row r = 5, i = 2: column 26 low, 30 high
+    assert codes[1].flatten()[(8 * 32 + 3 * 32 + 4 * 5 + 2)] == q[1, 13, 26] | (q[1, 13, 30] << 4)
+    assert torch.equal(pairs[1].view(-1, 2)[8 * 2 + 1 * 8 + 5], scale_zero[1, 13, 1])  # block 1, group 1, row 5
+    unpacked, unpacked_pairs = int_matmul.unpack_int4(codes, pairs)
+    assert torch.equal(unpacked, q.float()) and torch.equal(unpacked_pairs, scale_zero)
+    scale, zero = scale_zero.float().unbind(-1)
+    expected = (q.float().view(2, 16, 2, 32) - 8) * scale[..., None] + zero[..., None]
+    torch.testing.assert_close(int_matmul.values(codes, pairs, torch.float32), expected.view(2, 16, 64))
+    assert torch.equal(torch.ops.deepinfer.int4_values(codes, pairs), int_matmul.values(codes, pairs, torch.bfloat16))
+
+
+def test_int8_pack_interleaves_rows_of_8_and_unpack_undoes_it():
+    codes = torch.randint(-127, 128, (2, 16, 64), dtype=torch.int8)
+    packed = int_matmul.pack_int8(codes)
+    assert packed[1].flatten()[8 * 64 + 3 * 32 + 4 * 5 + 2] == codes[1, 13, 14]  # expert 1, row block 1, unit 3, row 5, i 2
+    assert torch.equal(int_matmul.unpack_int8(packed), codes)
+    w = torch.randn(16, 64)
+    stored, scales = int_tensors(w, 8, 32)
+    assert torch.equal(int_matmul.unpack_int8(stored), int8_codes(w)[0]) and torch.equal(scales, int8_codes(w)[1])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_prompts_experts_take_one_kernel_call_and_the_busiest_int4_ones_a_gemm_on_the_weight_decoded(bits):
+    """deepinfer::grouped_int_matmul: rows sorted by expert; every expert by id in one call, but
+    int4 experts of DECODED_FROM_ROWS rows or more decoded; rows past the last end zeros. Each
+    equal to that expert's own product."""
+    many = int_matmul.DECODED_FROM_ROWS
+    x, codes, scales, _ = case(2 * many + 30, 1, 5, 16, 64, 32, bits=bits)
+    ends = torch.tensor([3, 3, 3 + many, 3 + many + 20, 3 + 2 * many + 20], dtype=torch.int32)  # (7 rows: no expert)
+    got = torch.ops.deepinfer.grouped_int_matmul(x, codes, scales, ends)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        assert torch.equal(got[start:end], int_matmul.product(x[start:end], codes[expert], scales[expert]))
+        start = end
+    assert not got[start:].any()
+
+
+CHECK = """
+import torch
+from deepinfer.runtime import int_matmul
+from tests.runtime.test_int_matmul import SHAPES, case
+print("built" if int_matmul.KERNEL_BUILT else "reference")
+for shape in SHAPES:
+    for bits in (8, 4):
+        x, codes, scales, ids = case(*shape, bits=bits)
+        torch.testing.assert_close(int_matmul.matmul(x, codes, scales, ids), int_matmul.reference(x, codes, scales, ids),
+                                   atol=1e-4, rtol=1e-5)
+    assert torch.equal(torch.ops.deepinfer.int4_values(codes, scales), int_matmul.values(codes, scales, torch.bfloat16))
+"""
+
+
+def run_check(tmp_path, **env):
+    environment = {**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, "-c", CHECK], env=environment, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_avx2_and_plain_builds_agree_with_the_reference(tmp_path, march):
+    """What an AVX2-only host (maddubs instead of VNNI) and a CPU without AVX2 run."""
+    result = run_check(tmp_path, DEEPINFER_KERNEL_MARCH=march)
+    assert result.returncode == 0 and result.stdout.strip() == "built", result.stderr[-3000:]
+
+
+def test_without_a_compiler_the_reference_runs_and_says_so(tmp_path):
+    result = run_check(tmp_path, CXX=str(tmp_path / "no-compiler"))
+    assert result.returncode == 0 and result.stdout.strip() == "reference", result.stderr[-3000:]
+    assert "the int8/int4 kernels could not be built here" in result.stderr and "Install g++ (or set CXX)" in result.stderr

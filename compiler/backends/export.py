@@ -7,7 +7,7 @@ from torch._export.serde.serialize import serialize
 
 EXTENSION = "ep.json"
 IN_PROCESS = True  # serialization only: nothing that can crash or hang, so no worker process
-INT_WEIGHTS = True  # model.quantize int8/int4: ATen's CPU kernels run in its regions
+INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_matmul.py) run in its regions
 
 
 def unavailable(options: dict):

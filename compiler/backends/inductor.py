@@ -29,7 +29,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from deepinfer.compiler.backends import blocked_matmul, float32_products, fp8_decode, gathered_matvec
 
 EXTENSION = "aoti.pt2"
-INT_WEIGHTS = True  # model.quantize int8/int4: ATen's CPU kernels run in its regions
+INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_matmul.py) run in its regions
 
 # A decode step of ONE row multiplies it by each weight: a memory-bound GEMV, which inductor's mm
 # decomposition pass turns into a fused multiply-reduce kernel (bench/decode_bench.py measures it

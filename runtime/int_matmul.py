@@ -55,9 +55,10 @@ INT8_LAYOUT = "int8-rows-of-8"  # and its int8_layout
 ROWS = 8  # weight rows interleaved
 BLOCK = 32  # activation columns sharing an int8 scale
 # From this many rows an int4 product is faster as a bfloat16 GEMM on the weight decoded by
-# int4_values (2 threads, an AMD EPYC, eager, ms, the kernel / the decoding + oneDNN's GEMM; int4 [2816, 1024]:
-# 16 rows 0.44 / 0.57, 32 0.93 / 0.80, 48 0.96 / 1.01, 64 1.21 / 1.22, 128 2.60 / 2.30; [1280, 1024]:
-# 16 rows 0.15 / 0.27, 32 0.32 / 0.37, 48 0.43 / 0.48, 64 0.59 / 0.56, 128 1.13 / 0.95).
+# int4_values (2 threads, an AMD EPYC, eager, ms, the kernel / the decoding + oneDNN's GEMM;
+# [2816, 1024]: 16 rows 0.44 / 0.57, 32 0.93 / 0.80, 48 0.96 / 1.01, 64 1.21 / 1.22, 128 2.60 /
+# 2.30; [1280, 1024]: 16 rows 0.15 / 0.27, 32 0.32 / 0.37, 48 0.43 / 0.48, 64 0.59 / 0.56, 128
+# 1.13 / 0.95). int8's kernel: 128 rows 0.78 / 0.91, 512 3.38 / 3.60 ([1280, 1024]).
 DECODED_FROM_ROWS = 64
 SOURCE = Path(__file__).with_name("int_matmul.cpp")
 log = logging.getLogger(__name__)

@@ -64,3 +64,23 @@ def test_v4_compiled_at_world_size_2_gives_the_tokens_of_transformers(v4_release
     bundle = compile_fp8(release, tmp_path, cache_dir, "pjrt", "keep", 2, arch="deepseek_v4", weights=False).bundle
     assert add_weights(bundle, release, progress=False) == [0, 1]
     assert run_tokens(bundle, PROMPTS) == expected
+
+
+def test_a_v4_release_requantized_to_int8_gives_the_tokens_of_transformers(v4_release):
+    """model.quantize on the fp4 / fp8 release: its weights dequantized as read, then quantized
+    (eager: the bundles' path is the fp8 V3 release's, tested there). int8 keeps transformers'
+    first tokens (later ones drift on this random model); int4's experts are codes too (its
+    tokens drift from the first or second)."""
+    from deepinfer.compiler.eager import eager_engine
+    from deepinfer.runtime.engine import Request
+
+    release, _, expected = v4_release
+    tokens = {}
+    for quantize in ("int8", "int4"):
+        model = build_model("deepseek_v4", checkpoint=release, quantize=quantize)
+        engine = eager_engine(model, prefill_buckets=(16,), decode_buckets=(1,))
+        tokens[quantize] = [engine.generate([Request(p, 8)])[0].token_ids for p in PROMPTS]
+    assert [t[:4] for t in tokens["int8"]] == [t[:4] for t in expected], (tokens, expected)
+    ffn = model.layers[3].ffn
+    assert ffn.experts_w13.dtype == torch.uint8 and ffn.experts_w13.shape == (8, 64, 32) and ffn.experts_w13_qscale.shape == (8, 64, 2, 2)
+    assert all(len(t) == 8 for t in tokens["int4"])

@@ -179,17 +179,25 @@ def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):
     counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add(0, expert, torch.ones_like(expert))
     ends = counts[:E].cumsum(0).to(torch.int32)  # [E]: where each expert's rows end
     xs = x.index_select(0, order // k)  # [P, D]
-    gate, up = grouped_product(xs, w_gate_up, ends).chunk(2, dim=-1)  # [P, I] each
-    y = grouped_product(activation(gate, up), w_down, ends)  # [P, D], zeros past ends[-1]
+    by_expert = expert.index_select(0, order) if isinstance(w_gate_up, IntExperts) else None  # [P]: each sorted row's expert
+    gate, up = grouped_product(xs, w_gate_up, ends, by_expert, N).chunk(2, dim=-1)  # [P, I] each
+    y = grouped_product(activation(gate, up), w_down, ends, by_expert, N)  # [P, D], zeros past ends[-1]
     back = torch.empty_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))
     return (y.index_select(0, back).view(N, k, D) * weights[..., None]).sum(dim=1)
 
 
-def grouped_product(x, w, ends):
-    """x [P, D] (rows sorted by expert, `ends` [E] where each expert's rows end) times its
-    expert's weight from w as models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype."""
+def grouped_product(x, w, ends, experts, tokens: int):
+    """x [P, D] (rows sorted by expert: `experts` [P] each row's, E for none here; `ends` [E]
+    where each expert's rows end; `tokens` the chunk's) times its expert's weight from w as
+    models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype. Int experts none of
+    which takes a GEMM (int8's never do; int4's from int_matmul.DECODED_FROM_ROWS rows, more than
+    a chunk of fewer tokens gives one: a token picks an expert once) are one kernel call in the
+    graph, not the grouped op (whose host-side setup took 0.8 of a 32-token int4 prompt's ~17
+    ms, profiled)."""
     if isinstance(w, IntExperts):
-        return torch.ops.deepinfer.grouped_int_matmul(x, w.codes, w.scales, ends)
+        if tokens < int_matmul.DECODED_FROM_ROWS or not int_matmul.is_int4(w.codes):
+            return int_matmul.matmul(x, w.codes, w.scales, experts[:, None]).squeeze(1).to(x.dtype)
+        return torch.ops.deepinfer.grouped_int4_matmul(x, w.codes, w.scales, ends)
     return torch.ops.deepinfer.grouped_matmul(x.to(w.dtype), w, ends).to(x.dtype)
 
 

@@ -1,7 +1,7 @@
 """A prompt chunk's routed experts, each on exactly the rows routed to it: custom ops the regions call.
 
     torch.ops.deepinfer.grouped_matmul(x, w, ends)                    # float experts w [E, F, D]
-    torch.ops.deepinfer.grouped_int_matmul(x, codes, scales, ends)    # int8 or int4 experts (runtime/int_matmul.py)
+    torch.ops.deepinfer.grouped_int4_matmul(x, codes, scale_zero, ends)  # int4 experts (runtime/int_matmul.py)
 
 x [P, D]: the (token, expert) pairs' rows, sorted by expert; ends [E] int32: where each expert's
 rows end (cumulative). The result [P, F] holds expert e's rows times its weight transposed; rows
@@ -10,9 +10,10 @@ past ends[-1] (pairs another rank computes) are zeros.
 Why ops: how many rows each expert takes is known only when the step runs. A static graph can only
 give every expert a fixed capacity (models/moe.py's grouped form: twice the routed FLOPs at the
 default capacity 2, and further passes when routing is uneven). Float experts loop here, one
-product each, by oneDNN's linear (where ATen has oneDNN); int8 and int4 experts take one kernel
-call by id (`int_matmul.matmul`), the busiest int4 ones a GEMM on their weight decoded. Measured
-against the alternatives (16 experts [1280, 1024], rows routed evenly at random, eager, ms; an AMD
+product each, by oneDNN's linear (where ATen has oneDNN); int4 experts take one kernel call by id
+(`int_matmul.matmul`), the busiest a GEMM on their weight decoded (int8 experts, never decoded,
+and int4 ones of a chunk too short for a GEMM are that kernel call in the graph: models/moe.py's
+grouped_product). Measured against the alternatives (16 experts [1280, 1024], rows routed evenly at random, eager, ms; an AMD
 EPYC, 2 threads):
                       32 rows x top-4    128     512
     float32  oneDNN         6.2          11.6    28.7
@@ -56,23 +57,22 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     return per_expert(x, ends, w.shape[1], lambda rows, e: linear(rows, w[e]))
 
 
-@torch.library.custom_op("deepinfer::grouped_int_matmul", mutates_args=())
-def grouped_int_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """One kernel call for every expert taken by id, as a decode step's (16 calls in a loop cost
-    1.26x that on a 32-token prompt's int4 experts); but int4 experts of
-    int_matmul.DECODED_FROM_ROWS rows or more, each a GEMM on its weight decoded."""
+@torch.library.custom_op("deepinfer::grouped_int4_matmul", mutates_args=())
+def grouped_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """One kernel call for the experts of fewer than int_matmul.DECODED_FROM_ROWS rows, taken by id
+    as a decode step's (16 calls in a loop cost 1.26x that on a 32-token prompt's experts); each
+    other expert a GEMM on its weight decoded."""
     E = codes.shape[0]
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    decoded = counts >= int_matmul.DECODED_FROM_ROWS if int_matmul.is_int4(codes) else torch.zeros_like(counts, dtype=torch.bool)
-    decoded = torch.cat([decoded, decoded.new_ones(1)])  # [E + 1]
+    decoded = torch.cat([counts >= int_matmul.DECODED_FROM_ROWS, counts.new_ones(1, dtype=torch.bool)])  # [E + 1]
     expert = torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype), right=True)  # [P]; E past the last
     ids = torch.where(decoded[expert], E, expert)  # E: zeros from the kernel (decoded below, or another rank's)
-    out = int_matmul.matmul(x, codes, scales, ids[:, None]).squeeze(1).to(x.dtype)
+    out = int_matmul.matmul(x, codes, scale_zero, ids[:, None]).squeeze(1).to(x.dtype)
     if bool(decoded[:E].any()):
         start = 0
         for e, end in enumerate(ends.tolist()):
             if end - start >= int_matmul.DECODED_FROM_ROWS:
-                out[start:end] = int_matmul.product(x[start:end], codes[e], scales[e]).to(x.dtype)
+                out[start:end] = int_matmul.product(x[start:end], codes[e], scale_zero[e]).to(x.dtype)
             start = end
     return out
 
@@ -82,6 +82,6 @@ def _(x, w, ends):
     return x.new_empty(x.shape[0], w.shape[1])
 
 
-@grouped_int_matmul.register_fake
-def _(x, codes, scales, ends):
+@grouped_int4_matmul.register_fake
+def _(x, codes, scale_zero, ends):
     return x.new_empty(x.shape[0], codes.shape[1])

@@ -12,6 +12,7 @@ from deepinfer.models.moe import dense, expert_places, grouped_passes, routed_ex
 from deepinfer.models.parallel import Layout, moe_buffers
 from deepinfer.models.deepseek_v3 import swiglu
 from deepinfer.models.quantization import expert_weights
+from deepinfer.runtime.int_matmul import DECODED_FROM_ROWS
 
 CONFIG = {**TINY_CONFIG, "n_routed_experts": 16, "n_group": 4, "topk_group": 4, "num_experts_per_tok": 4}
 
@@ -76,3 +77,23 @@ def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, overflow, capacit
         parts = [forms(moe, x, capacity, (rank, 4), overflow)[0] for rank in range(4)]
         forms(moe, x, capacity, (0, 1))  # (restore the one-rank buffers for the other tests)
     torch.testing.assert_close(sum(parts), whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [32, 64])
+def test_int_experts_in_the_exact_form_give_the_dense_result(quantize, rows):
+    """Int experts' exact form: one kernel call by id (int8 always; int4 in a chunk of fewer than
+    DECODED_FROM_ROWS tokens), else the grouped op; the dense form runs each expert on every row
+    (int4 from DECODED_FROM_ROWS rows as a bf16 GEMM: its activations are not rounded to 8 bits)."""
+    model = build_model(config=CONFIG, seed=1, quantize=quantize)
+    moe = model.layers[1].mlp
+    x = torch.randn(rows, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        gate_up, down = (expert_weights(moe, name, x.dtype, moe.config.quantization) for name in ("experts_gate_up", "experts_down"))
+        ours = routed_experts(moe, x, weights, ids, gate_up, down, swiglu, overflow="exact")
+        reference = dense(x, weights, ids, gate_up(), down(), swiglu)
+    if quantize == "int4" and rows >= DECODED_FROM_ROWS:
+        assert (ours - reference).norm() < 0.02 * reference.norm()
+    else:
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

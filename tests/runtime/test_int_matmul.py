@@ -69,18 +69,17 @@ def test_int8_pack_interleaves_rows_of_8_and_unpack_undoes_it():
     assert torch.equal(int_matmul.unpack_int8(stored), int8_codes(w)[0]) and torch.equal(scales, int8_codes(w)[1])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_prompts_experts_take_one_kernel_call_and_the_busiest_int4_ones_a_gemm_on_the_weight_decoded(bits):
-    """deepinfer::grouped_int_matmul: rows sorted by expert; every expert by id in one call, but
-    int4 experts of DECODED_FROM_ROWS rows or more decoded; rows past the last end zeros. Each
-    equal to that expert's own product."""
+def test_a_prompts_int4_experts_take_one_kernel_call_and_the_busiest_a_gemm_on_the_weight_decoded():
+    """deepinfer::grouped_int4_matmul: rows sorted by expert; the experts of fewer than
+    DECODED_FROM_ROWS rows by id in one call, the others decoded; rows past the last end zeros.
+    Each equal to that expert's own product."""
     many = int_matmul.DECODED_FROM_ROWS
-    x, codes, scales, _ = case(2 * many + 30, 1, 5, 16, 64, 32, bits=bits)
+    x, codes, scale_zero, _ = case(2 * many + 30, 1, 5, 16, 64, 32)
     ends = torch.tensor([3, 3, 3 + many, 3 + many + 20, 3 + 2 * many + 20], dtype=torch.int32)  # (7 rows: no expert)
-    got = torch.ops.deepinfer.grouped_int_matmul(x, codes, scales, ends)
+    got = torch.ops.deepinfer.grouped_int4_matmul(x, codes, scale_zero, ends)
     start = 0
     for expert, end in enumerate(ends.tolist()):
-        assert torch.equal(got[start:end], int_matmul.product(x[start:end], codes[expert], scales[expert]))
+        assert torch.equal(got[start:end], int_matmul.product(x[start:end], codes[expert], scale_zero[expert]))
         start = end
     assert not got[start:].any()
 

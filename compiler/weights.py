@@ -36,9 +36,9 @@ def write_safetensors(path: Path, specs: Specs, tensor_of, on_written=None) -> s
     written; `on_written(n)` is told each tensor's bytes). Returns the file's sha256.
 
     Each tensor starts 64-byte aligned (the runtime views them in place, and vector kernels read
-    them: ATen's int8 kernel crashed on a weight that was not 16-byte aligned): the header is padded to it, and a filler
-    tensor `__padding.<i>` of zero bytes precedes a tensor that would not be (safetensors allows
-    no holes between tensors)."""
+    them: ATen's int8 kernel crashed on a weight that was not 16-byte aligned): the header is
+    padded to it, and a filler tensor `__padding.<i>` of zero bytes precedes a tensor that would
+    not be (safetensors allows no holes between tensors)."""
     header, offset, laid_out = {}, 0, []
     for name, shape, dtype in specs:
         if offset % ALIGN:

@@ -13,8 +13,8 @@ default capacity 2, and further passes when routing is uneven). Float experts lo
 product each, by oneDNN's linear (where ATen has oneDNN); int4 experts take one kernel call by id
 (`int_matmul.matmul`), the busiest a GEMM on their weight decoded (int8 experts, never decoded,
 and int4 ones of a chunk too short for a GEMM are that kernel call in the graph: models/moe.py's
-grouped_product). Measured against the alternatives (16 experts [1280, 1024], rows routed evenly at random, eager, ms; an AMD
-EPYC, 2 threads):
+grouped_product). Measured against the alternatives (16 experts [1280, 1024], rows routed evenly
+at random, eager, ms; an AMD EPYC, 2 threads):
                       32 rows x top-4    128     512
     float32  oneDNN         6.2          11.6    28.7
              MKL (F.linear) 10.2         14.2    34.6

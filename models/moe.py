@@ -6,9 +6,10 @@ computes the (row, expert) pairs whose expert it owns. No form branches on value
     gathered  N * k <= E          each row's k experts' weights are gathered and applied: reads
                                   only the routed experts (decode)
     exact     N >= 32             pairs sorted by expert, each expert run on exactly its rows by
-                                  one grouped product (runtime/grouped_matmul.py's custom ops), the
-                                  results put back weighted: the routed FLOPs (prompts; the
-                                  default where the backend runs the ops: `expert_overflow: exact`)
+                                  one grouped product (runtime/grouped_matmul.py's custom ops;
+                                  int experts: their kernel by id), the results put back
+                                  weighted: the routed FLOPs (prompts; the default where the
+                                  backend runs the ops: `expert_overflow: exact`)
     grouped   N >= 32 and C < N   pairs grouped by expert into C rows per expert ([E, C, D]), each
                                   expert run once on its group (bmm), the results scattered back
                                   weighted: ~capacity x the routed FLOPs instead of E / k x (prompts,

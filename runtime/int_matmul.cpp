@@ -54,9 +54,10 @@ struct QuantizedRows {
   std::vector<int8_t> codes;  // [X, in]
   std::vector<float> scales;  // [X, in / BLOCK]
   std::vector<int32_t> code_sums;  // [X, in / BLOCK]: the sum of each block's codes
-  std::vector<float> sums;    // [X, in / group]
+  std::vector<float> sums;    // [X, in / group]: int4's zeros multiply them (none for int8)
 };
 
+// (group 0: no group sums, int8's weights having no zeros)
 void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, float* scales, int32_t* code_sums, float* sums) {
   for (int64_t b = 0; b < in / BLOCK; ++b) {
     const float* block = x + b * BLOCK;
@@ -71,7 +72,7 @@ void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, floa
     scales[b] = amax / 127.f;
     code_sums[b] = sum;
   }
-  for (int64_t g = 0; g < in / group; ++g) {
+  for (int64_t g = 0; group > 0 && g < in / group; ++g) {
     float sum = 0.f;
     for (int64_t i = 0; i < group; ++i) sum += x[g * group + i];
     sums[g] = sum;
@@ -253,10 +254,10 @@ struct Weights {
 // out [X, k, rows] (k = 1 without ids): x row p times expert ids[p, j]'s weight (zeros for an id
 // outside [0, E)). Tasks are (run, ROW_BLOCKS row blocks); a run is consecutive x rows with
 // the same expert in one column j of ids (a prompt chunk's rows sorted by expert, or a linear's
-// rows), so a tile's weights are read from memory once per run.
+// rows), so a tile's weights are read from memory once per run. `group`: int4's, 0 for int8.
 Tensor products(const Tensor& x, const std::optional<Tensor>& ids, int64_t E, int64_t rows, int64_t group, const Weights& weights,
                 const char* op) {
-  const int64_t X = x.size(0), in = x.size(1), groups = in / group;
+  const int64_t X = x.size(0), in = x.size(1), groups = group > 0 ? in / group : 0;
   const int64_t k = ids.has_value() ? ids->size(1) : 1;
   std::vector<int64_t> expert(X * k, 0);
   if (ids.has_value()) {
@@ -273,7 +274,7 @@ Tensor products(const Tensor& x, const std::optional<Tensor>& ids, int64_t E, in
                   std::vector<float>(X * groups)};
   torch::stable::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      quantize_row(xs + p * in, in, group, &q.codes[p * in], &q.scales[p * in / BLOCK], &q.code_sums[p * in / BLOCK], &q.sums[p * groups]);
+      quantize_row(xs + p * in, in, group, &q.codes[p * in], &q.scales[p * in / BLOCK], &q.code_sums[p * in / BLOCK], q.sums.data() + p * groups);
   });
 
   struct Run { int64_t j, first, last, expert; };  // x rows [first, last) with expert `expert` in column j
@@ -297,7 +298,7 @@ Tensor products(const Tensor& x, const std::optional<Tensor>& ids, int64_t E, in
           Activation a[MAX_RUN_ROWS];
           float* out_rows[MAX_RUN_ROWS];
           for (int t = 0; t < n; ++t) {
-            a[t] = {&q.codes[(p + t) * in], &q.scales[(p + t) * in / BLOCK], &q.code_sums[(p + t) * in / BLOCK], &q.sums[(p + t) * groups]};
+            a[t] = {&q.codes[(p + t) * in], &q.scales[(p + t) * in / BLOCK], &q.code_sums[(p + t) * in / BLOCK], q.sums.data() + (p + t) * groups};
             out_rows[t] = y + ((p + t) * k + run.j) * rows + block * ROWS;
           }
           const int64_t first_row = run.expert * rows + block * ROWS;
@@ -341,7 +342,7 @@ Tensor int8_matmul(Tensor x, Tensor codes, Tensor scales, std::optional<Tensor> 
                   "int8_matmul: inputs must be a multiple of 32, rows of 8, a scale a row");
   const Weights weights{static_cast<const uint8_t*>(codes.const_data_ptr()), in, static_cast<const uint8_t*>(scales.const_data_ptr()), 2,
                         INT8_DOTS};
-  return products(x, ids, E, rows, in, weights, "int8_matmul");
+  return products(x, ids, E, rows, 0, weights, "int8_matmul");
 }
 
 uint16_t float_to_bf16(float f) {  // (round to nearest even; the weights are finite)

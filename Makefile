@@ -32,10 +32,12 @@ demo: setup
 	$(VENV)/bin/deepinfer-run --bundle artifacts/tiny-v4-code --prompt "class Stack:" --max-tokens 64 --temperature 0.5 --seed 1
 
 # Two test processes, a file each at a time (a module's compiled bundles stay in one process): most
-# tests keep one core busy (tracing, loading, one compile), so two halve the suite on 2 cores. The
-# slowest tests are listed at the end, for keeping the suite under CI's 30 minutes.
+# tests keep one core busy (tracing, loading, one compile), so two halve the suite on 2 cores. Each
+# process, and what it starts, gets one thread: two processes of two threads on 2 cores slowed eager
+# tests ~5x (torch's threads spin-wait for a core the other process holds), the suite 28 -> 22 min.
+# The slowest tests are listed at the end, for keeping the suite under CI's 30 minutes.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 serve: setup
 	test -f artifacts/tiny-code/manifest.json || $(VENV)/bin/deepinfer-compile recipes/tiny-code.yaml

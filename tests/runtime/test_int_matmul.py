@@ -18,6 +18,16 @@ from tests.conftest import ROOT
 SHAPES = [(1, 4, 16, 96, 1024, 32), (3, 2, 4, 40, 192, 64), (6, 1, 3, 24, 320, 32), (5, 1, 2, 16, 256, 128), (6, 1, 1, 8, 96, 32)]
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The kernels split their tasks over threads: checked with two, whatever this test process was
+    given (`make test` gives each of its two one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def case(X, k, E, rows, width, group, bits=4, seed=0):
     generator = torch.Generator().manual_seed(seed)
     codes, scales = int_tensors(torch.randn(E, rows, width, generator=generator), bits, group)
@@ -99,7 +109,7 @@ for shape in SHAPES:
 
 
 def run_check(tmp_path, **env):
-    environment = {**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), **env}
+    environment = {**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", **env}
     return subprocess.run([sys.executable, "-c", CHECK], env=environment, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 

@@ -19,7 +19,7 @@ from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.sampling import SamplingParams, probabilities, verify_drafts
 from tests.conftest import tiny_v4_config, write_recipe
-from tests.runtime.test_multirank import MAX_TOKENS as RUN_TOKENS, PROMPTS as RUN_PROMPTS, run_bundle
+from tests.runtime.test_multirank import MAX_TOKENS as RUN_TOKENS, PROMPTS as RUN_PROMPTS
 
 # Prompts over one and two prefill chunks (16, 64), and a one-token prompt.
 PROMPTS = [[5, 6, 7], list(range(20, 56)), list(range(100, 180)), [9]]
@@ -176,12 +176,15 @@ def test_speculation_over_ranks(spec_bundles, bundle, arch):
     striped by entry, the indexer's top-k merged over the group, prompt chunks split). Decode under
     context buckets 64 and 256 (V4: the compressed entries the indexer scores and HCA attends are
     read up to the context), the leader telling the follower which context each step runs, and a
-    prefix copied from a running sequence on both ranks."""
-    result = run_bundle(spec_bundles[bundle])
+    prefix copied from a running sequence on both ranks. One run: its third prompt repeats the
+    second, and the fifth waits for a free slot."""
+    prompts = [RUN_PROMPTS[0], RUN_PROMPTS[1], RUN_PROMPTS[1], *RUN_PROMPTS[2:]]
+    args = [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
+    result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(spec_bundles[bundle]), *args,
+                             "--max-tokens", str(RUN_TOKENS), "--json"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout)["results"]
-    expected = greedy_for(RUN_PROMPTS, RUN_TOKENS, arch)
-    assert [r["token_ids"] for r in results] == expected
+    assert [r["token_ids"] for r in results] == greedy_for(prompts, RUN_TOKENS, arch)
     assert all(r["tokens_per_step"] >= 1.0 for r in results)
     manifest = json.loads((spec_bundles[bundle] / "manifest.json").read_text())
     ratios = {t["name"]: t["positions_per_entry"] for layer in manifest["state"] for t in layer}
@@ -192,17 +195,10 @@ def test_speculation_over_ranks(spec_bundles, bundle, arch):
         assert entries == [4 * 2, 16, 4 * 2] and ratios["hidden"] == 1  # CSA striped over cp 2, HCA whole
     else:  # a rank keeps every 2nd position; the MTP module's hidden states stay whole
         assert ratios == {"latent": 2, "hidden": 1}
-    # Prefix caching on both ranks: a prompt's second sequence copies the first one's state (V4:
-    # its rings whole, the MTP module's too) from the running sequence's slot, and prefills its last token.
-    repeated = ",".join(map(str, RUN_PROMPTS[1]))
-    result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(spec_bundles[bundle]),
-                             "--prompt-ids", repeated, "--prompt-ids", repeated, "--max-tokens", str(RUN_TOKENS), "--json"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    both = json.loads(result.stdout)["results"]
+    # Prefix caching on both ranks: the repeated prompt copies the first one's state (V4: its rings
+    # whole, the MTP module's too) from the running sequence's slot, and prefills its last token.
     reused = len(RUN_PROMPTS[1]) - 1  # all but the last token; under cp 2 whole stripes of 2 positions
-    assert [r["cached_tokens"] for r in both] == [0, reused if arch == "deepseek_v4" else reused // 2 * 2]
-    assert both[0]["token_ids"] == both[1]["token_ids"] == expected[1]
+    assert [r["cached_tokens"] for r in results] == [0, 0, reused if arch == "deepseek_v4" else reused // 2 * 2, 0, 0]
 
 
 def test_the_server_speculates_under_continuous_batching(spec_bundles, reference):

@@ -31,6 +31,10 @@ import torch
 
 from . import int_matmul
 
+# From this many rows a float expert's product is faster as oneDNN's GEMM than in the few-row kernel
+# (16 experts [1280, 1024], ms for all, rows each, the kernel / oneDNN: float32 2 rows 3.0 / 6.4, 4
+# 4.0 / 7.1, 8 5.6 / 7.8, 16 ~10 / 10.0; bfloat16 4 rows 2.1 / 4.3, 8 2.5 / 4.6, 16 5.0 / 6.0).
+FLOAT_GEMM_FROM_ROWS = {torch.float32: 12, torch.bfloat16: 16}
 ONEDNN = torch.backends.mkldnn.is_available()  # (asked once: the float kernel runs per expert per step)
 
 
@@ -52,29 +56,45 @@ def per_expert(x: torch.Tensor, ends: torch.Tensor, features: int, product) -> t
     return out
 
 
+def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int, gemm_from_rows: int, kernel, gemm) -> torch.Tensor:
+    """[P, features]: the experts of fewer than gemm_from_rows rows in one kernel call, taken by id
+    as a decode step's are (kernel(x, ids [P, 1]) -> [P, 1, features]; 16 calls in a loop cost 1.26x
+    that on a 32-token int4 prompt's experts); each other expert a GEMM (gemm(rows, e) -> [rows,
+    features])."""
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    by_gemm = torch.cat([counts >= gemm_from_rows, counts.new_ones(1, dtype=torch.bool)])  # [E + 1]
+    expert = torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype), right=True)  # [P]; E past the last
+    ids = torch.where(by_gemm[expert], E, expert)  # E: zeros from the kernel (a GEMM's below, or another rank's)
+    if bool((ids < E).any()):
+        out = kernel(x, ids[:, None]).squeeze(1).to(x.dtype)
+    else:
+        out = x.new_zeros(x.shape[0], features)
+    if bool(by_gemm[:E].any()):
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            if end - start >= gemm_from_rows:
+                out[start:end] = gemm(x[start:end], e).to(x.dtype)
+            start = end
+    return out
+
+
 @torch.library.custom_op("deepinfer::grouped_matmul", mutates_args=())
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    return per_expert(x, ends, w.shape[1], lambda rows, e: linear(rows, w[e]))
+    """Experts of fewer than FLOAT_GEMM_FROM_ROWS rows by the few-row float kernel
+    (int_matmul.float_matmul), the others by oneDNN (weights the kernel does not take: all of them)."""
+    if not int_matmul.takes_float(w):
+        return per_expert(x, ends, w.shape[1], lambda rows, e: linear(rows, w[e]))
+    return kernel_then_gemms(x, ends, w.shape[0], w.shape[1], FLOAT_GEMM_FROM_ROWS[w.dtype],
+                             lambda x, ids: torch.ops.deepinfer.float_matmul(x.float().contiguous(), w, ids), lambda rows, e: linear(rows, w[e]))
 
 
 @torch.library.custom_op("deepinfer::grouped_int4_matmul", mutates_args=())
 def grouped_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """One kernel call for the experts of fewer than int_matmul.DECODED_FROM_ROWS rows, taken by id
-    as a decode step's (16 calls in a loop cost 1.26x that on a 32-token prompt's experts); each
-    other expert a GEMM on its weight decoded."""
-    E = codes.shape[0]
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    decoded = torch.cat([counts >= int_matmul.DECODED_FROM_ROWS, counts.new_ones(1, dtype=torch.bool)])  # [E + 1]
-    expert = torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype), right=True)  # [P]; E past the last
-    ids = torch.where(decoded[expert], E, expert)  # E: zeros from the kernel (decoded below, or another rank's)
-    out = int_matmul.matmul(x, codes, scale_zero, ids[:, None]).squeeze(1).to(x.dtype)
-    if bool(decoded[:E].any()):
-        start = 0
-        for e, end in enumerate(ends.tolist()):
-            if end - start >= int_matmul.DECODED_FROM_ROWS:
-                out[start:end] = int_matmul.product(x[start:end], codes[e], scale_zero[e]).to(x.dtype)
-            start = end
-    return out
+    """The experts of fewer than int_matmul.DECODED_FROM_ROWS rows by the kernel; each other expert
+    a GEMM on its weight decoded."""
+    return kernel_then_gemms(x, ends, codes.shape[0], codes.shape[1], int_matmul.DECODED_FROM_ROWS,
+                             lambda x, ids: int_matmul.matmul(x, codes, scale_zero, ids),
+                             lambda rows, e: int_matmul.product(rows, codes[e], scale_zero[e]))
 
 
 @grouped_matmul.register_fake

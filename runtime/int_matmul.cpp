@@ -82,12 +82,15 @@ void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, floa
 float scale_of(uint32_t pair) { return bits_to_float(pair << 16); }          // (scale, zero) bfloat16 pair:
 float zero_of(uint32_t pair) { return bits_to_float(pair & 0xFFFF0000u); }  // scale in the low half
 
-// One quantized activation row: codes [in], block scales [in/32], block code sums, group sums [in/group].
+// One activation row: for integer weights quantized (codes [in], block scales [in/32], block code
+// sums, group sums [in/group]); for float weights as given (x) or rounded to bfloat16 (xb).
 struct Activation {
   const int8_t* c;
   const float* x_scale;
   const int32_t* code_sums;
   const float* x_sum;
+  const float* x;
+  const uint16_t* xb;
 };
 
 #if defined(__AVX2__)
@@ -169,6 +172,11 @@ void block_dots(const uint8_t* w, const uint8_t* scales, const Activation* a, in
 #endif
 
 float bf16_to_float(uint16_t bits) { return bits_to_float(uint32_t(bits) << 16); }
+uint16_t float_to_bf16(float f) {  // (round to nearest even; weights and activations are finite)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 #if defined(__AVX2__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -236,11 +244,103 @@ void block_dots8(const uint8_t* w, const uint8_t* scales, const Activation* a, i
 }
 #endif
 
+// Float weights (float32 or bfloat16 [rows, in] as stored) times a few activation rows: 4 weight
+// rows x R activation rows of dot products at a time, each weight row's stream prefetching the row
+// 4 further on (4 row streams a thread otherwise read at ~60% of the memory's rate). bfloat16
+// weights take the activations rounded to bfloat16, as a bf16 GEMM does (AVX512_BF16's dot product
+// of pairs; elsewhere both widened to float).
+constexpr int64_t FLOAT_PASS = 4;  // weight rows one pass reads
+
+#if defined(__AVX512F__)
+template <int R, bool BF16>
+void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const* out) {
+  __m512 acc[R][FLOAT_PASS];
+  for (int t = 0; t < R; ++t)
+    for (int r = 0; r < FLOAT_PASS; ++r) acc[t][r] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (BF16) {
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
+    for (int64_t k = 0; k < in; k += 32) {
+      __m512bh wv[FLOAT_PASS], xv[R];
+      for (int r = 0; r < FLOAT_PASS; ++r) {
+        wv[r] = (__m512bh)_mm512_loadu_si512(wb + r * in + k);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (r + FLOAT_PASS) * in + k), _MM_HINT_T0);
+      }
+      for (int t = 0; t < R; ++t) {
+        xv[t] = (__m512bh)_mm512_loadu_si512(a[t].xb + k);
+        asm volatile("" : "+v"(xv[t]));  // (in a register: not reloaded by every dot product)
+      }
+      for (int t = 0; t < R; ++t)
+        for (int r = 0; r < FLOAT_PASS; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv[r], xv[t]);
+    }
+  } else
+#endif
+  {
+    auto widen = [](const uint16_t* p) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    };
+    for (int64_t k = 0; k < in; k += 16) {
+      __m512 wv[FLOAT_PASS], xv[R];
+      for (int r = 0; r < FLOAT_PASS; ++r) {
+        const uint8_t* row = w + (r * in + k) * (BF16 ? 2 : 4);
+        wv[r] = BF16 ? widen(reinterpret_cast<const uint16_t*>(row)) : _mm512_loadu_ps(reinterpret_cast<const float*>(row));
+        _mm_prefetch(reinterpret_cast<const char*>(row + FLOAT_PASS * in * (BF16 ? 2 : 4)), _MM_HINT_T0);
+      }
+      for (int t = 0; t < R; ++t) {
+        xv[t] = BF16 ? widen(a[t].xb + k) : _mm512_loadu_ps(a[t].x + k);
+        asm volatile("" : "+v"(xv[t]));
+      }
+      for (int t = 0; t < R; ++t)
+        for (int r = 0; r < FLOAT_PASS; ++r) acc[t][r] = _mm512_fmadd_ps(wv[r], xv[t], acc[t][r]);
+    }
+  }
+  for (int t = 0; t < R; ++t)
+    for (int r = 0; r < FLOAT_PASS; ++r) out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
+}
+#else
+// (AVX2 and plain C++: LANES independent sums a dot product, which the compiler vectorizes)
+template <int R, bool BF16>
+void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const* out) {
+  constexpr int LANES = 8;
+  float acc[R][FLOAT_PASS][LANES] = {};
+  for (int64_t k = 0; k < in; k += LANES)
+    for (int r = 0; r < FLOAT_PASS; ++r) {
+      float wv[LANES];
+      for (int l = 0; l < LANES; ++l)
+        wv[l] = BF16 ? bf16_to_float(reinterpret_cast<const uint16_t*>(w)[r * in + k + l]) : reinterpret_cast<const float*>(w)[r * in + k + l];
+      for (int t = 0; t < R; ++t)
+        for (int l = 0; l < LANES; ++l) acc[t][r][l] += wv[l] * (BF16 ? bf16_to_float(a[t].xb[k + l]) : a[t].x[k + l]);
+    }
+  for (int t = 0; t < R; ++t)
+    for (int r = 0; r < FLOAT_PASS; ++r) {
+      float total = 0.f;
+      for (int l = 0; l < LANES; ++l) total += acc[t][r][l];
+      out[t][r] = total;
+    }
+}
+#endif
+
+// One row block (8 weight rows, `in` elements apart) times R activation rows -> out[t][0..8).
+template <int R, bool BF16>
+void float_dots(const uint8_t* w, const uint8_t*, const Activation* a, int64_t in, int64_t, float* const* out) {
+  float* second[R];
+  for (int t = 0; t < R; ++t) second[t] = out[t] + FLOAT_PASS;
+  float_pass<R, BF16>(w, a, in, out);
+  float_pass<R, BF16>(w + FLOAT_PASS * in * (BF16 ? 2 : 4), a, in, second);
+}
+
 constexpr int MAX_RUN_ROWS = 4;  // activation rows a block's dots take at once
 // A format's dots for one row block times 1..MAX_RUN_ROWS activation rows (index: the rows).
 using BlockDots = void (*)(const uint8_t* w, const uint8_t* scales, const Activation* a, int64_t in, int64_t group, float* const* out);
 constexpr BlockDots INT4_DOTS[MAX_RUN_ROWS + 1] = {nullptr, block_dots<1>, block_dots<2>, block_dots<3>, block_dots<4>};
 constexpr BlockDots INT8_DOTS[MAX_RUN_ROWS + 1] = {nullptr, block_dots8<1>, block_dots8<2>, block_dots8<3>, block_dots8<4>};
+constexpr BlockDots FLOAT32_DOTS[MAX_RUN_ROWS + 1] = {nullptr, float_dots<1, false>, float_dots<2, false>, float_dots<3, false>,
+                                                     float_dots<4, false>};
+constexpr BlockDots BFLOAT16_DOTS[MAX_RUN_ROWS + 1] = {nullptr, float_dots<1, true>, float_dots<2, true>, float_dots<3, true>,
+                                                      float_dots<4, true>};
+
+// What a format's dots take of the activations.
+enum class Operand { quantized, float32, bfloat16 };
 
 // A stack of E weights [E, rows, ...] in one format: each weight row's code and scale bytes.
 struct Weights {
@@ -249,6 +349,7 @@ struct Weights {
   const uint8_t* scales;
   int64_t scale_bytes;  // a row's
   const BlockDots* dots;
+  Operand operand;
 };
 
 // out [X, k, rows] (k = 1 without ids): x row p times expert ids[p, j]'s weight (zeros for an id
@@ -270,11 +371,17 @@ Tensor products(const Tensor& x, const std::optional<Tensor>& ids, int64_t E, in
   float* y = static_cast<float*>(out.mutable_data_ptr());
   const float* xs = static_cast<const float*>(x.const_data_ptr());
 
-  QuantizedRows q{std::vector<int8_t>(X * in), std::vector<float>(X * in / BLOCK), std::vector<int32_t>(X * in / BLOCK),
-                  std::vector<float>(X * groups)};
+  const bool quantized = weights.operand == Operand::quantized, rounded = weights.operand == Operand::bfloat16;
+  const int64_t quantized_x = quantized ? X : 0;
+  QuantizedRows q{std::vector<int8_t>(quantized_x * in), std::vector<float>(quantized_x * in / BLOCK),
+                  std::vector<int32_t>(quantized_x * in / BLOCK), std::vector<float>(quantized_x * groups)};
+  std::vector<uint16_t> xb(rounded ? X * in : 0);  // x rounded to bfloat16, for bfloat16 weights
   torch::stable::parallel_for(0, X, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      quantize_row(xs + p * in, in, group, &q.codes[p * in], &q.scales[p * in / BLOCK], &q.code_sums[p * in / BLOCK], q.sums.data() + p * groups);
+      if (quantized)
+        quantize_row(xs + p * in, in, group, &q.codes[p * in], &q.scales[p * in / BLOCK], &q.code_sums[p * in / BLOCK], q.sums.data() + p * groups);
+      else if (rounded)
+        for (int64_t i = 0; i < in; ++i) xb[p * in + i] = float_to_bf16(xs[p * in + i]);
   });
 
   struct Run { int64_t j, first, last, expert; };  // x rows [first, last) with expert `expert` in column j
@@ -298,7 +405,11 @@ Tensor products(const Tensor& x, const std::optional<Tensor>& ids, int64_t E, in
           Activation a[MAX_RUN_ROWS];
           float* out_rows[MAX_RUN_ROWS];
           for (int t = 0; t < n; ++t) {
-            a[t] = {&q.codes[(p + t) * in], &q.scales[(p + t) * in / BLOCK], &q.code_sums[(p + t) * in / BLOCK], q.sums.data() + (p + t) * groups};
+            if (quantized)
+              a[t] = {&q.codes[(p + t) * in], &q.scales[(p + t) * in / BLOCK], &q.code_sums[(p + t) * in / BLOCK],
+                      q.sums.data() + (p + t) * groups, nullptr, nullptr};
+            else
+              a[t] = {nullptr, nullptr, nullptr, nullptr, xs + (p + t) * in, rounded ? &xb[(p + t) * in] : nullptr};
             out_rows[t] = y + ((p + t) * k + run.j) * rows + block * ROWS;
           }
           const int64_t first_row = run.expert * rows + block * ROWS;
@@ -328,7 +439,8 @@ Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tens
   STD_TORCH_CHECK(codes.size(-1) * 2 == in && groups * group == in && group % BLOCK == 0 && rows % ROWS == 0,
                   "int4_matmul: inputs must be a multiple of the group (a multiple of 32), rows of 8");
   const Weights weights{static_cast<const uint8_t*>(codes.const_data_ptr()), in / 2,
-                        static_cast<const uint8_t*>(scale_zero.const_data_ptr()), groups * 4, INT4_DOTS};
+                        static_cast<const uint8_t*>(scale_zero.const_data_ptr()), groups * 4, INT4_DOTS,
+                        Operand::quantized};
   return products(x, ids, E, rows, group, weights, "int4_matmul");
 }
 
@@ -341,14 +453,21 @@ Tensor int8_matmul(Tensor x, Tensor codes, Tensor scales, std::optional<Tensor> 
   STD_TORCH_CHECK(codes.size(-1) == in && in % BLOCK == 0 && rows % ROWS == 0 && scales.numel() == E * rows,
                   "int8_matmul: inputs must be a multiple of 32, rows of 8, a scale a row");
   const Weights weights{static_cast<const uint8_t*>(codes.const_data_ptr()), in, static_cast<const uint8_t*>(scales.const_data_ptr()), 2,
-                        INT8_DOTS};
+                        INT8_DOTS, Operand::quantized};
   return products(x, ids, E, rows, 0, weights, "int8_matmul");
 }
 
-uint16_t float_to_bf16(float f) {  // (round to nearest even; the weights are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+Tensor float_matmul(Tensor x, Tensor w, std::optional<Tensor> ids) {
+  check_x(x, "float_matmul");
+  const bool bf16 = w.scalar_type() == ScalarType::BFloat16;
+  STD_TORCH_CHECK((bf16 || w.scalar_type() == ScalarType::Float) && w.is_contiguous(), "float_matmul: w must be contiguous float32 or bfloat16");
+  STD_TORCH_CHECK(w.dim() == (ids.has_value() ? 3 : 2), "float_matmul: w must be [E, rows, in] with ids, [rows, in] without");
+  const int64_t in = x.size(1), E = ids.has_value() ? w.size(0) : 1, rows = w.size(-2);
+  STD_TORCH_CHECK(w.size(-1) == in && in % BLOCK == 0 && rows % ROWS == 0, "float_matmul: inputs must be a multiple of 32, rows of 8");
+  const int64_t row_bytes = in * (bf16 ? 2 : 4);
+  const Weights weights{static_cast<const uint8_t*>(w.const_data_ptr()), row_bytes, nullptr, 0, bf16 ? BFLOAT16_DOTS : FLOAT32_DOTS,
+                        bf16 ? Operand::bfloat16 : Operand::float32};
+  return products(x, ids, E, rows, 0, weights, "float_matmul");
 }
 
 #if defined(__AVX2__)
@@ -429,4 +548,5 @@ STABLE_TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("int4_matmul", TORCH_BOX(&int4_matmul));
   m.impl("int4_values", TORCH_BOX(&int4_values));
   m.impl("int8_matmul", TORCH_BOX(&int8_matmul));
+  m.impl("float_matmul", TORCH_BOX(&float_matmul));
 }

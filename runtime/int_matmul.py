@@ -4,6 +4,7 @@
     torch.ops.deepinfer.int4_matmul(x, codes, scale_zero, ids)   # experts [E, rows, in/2], ids [X, k] -> [X, k, rows]
     torch.ops.deepinfer.int8_matmul(x, codes, scales, ids)       # int8 codes [E, rows, in] (or [rows, in], ids None)
     torch.ops.deepinfer.int4_values(codes, scale_zero)           # the int4 weights in bfloat16 [..., rows, in]
+    torch.ops.deepinfer.float_matmul(x, w, ids)                  # float32 or bfloat16 w [E, rows, in] (or [rows, in])
 
 x [X, in] float32. With ids, x row p is multiplied by expert ids[p, j]'s weight for each j (zeros
 for an id outside [0, E): a pair another rank computes). Both layouts interleave rows 8 at a time,
@@ -31,6 +32,12 @@ to arrive (bench/quantized_matmul_bench.py).
 A prompt chunk's int4 products of DECODED_FROM_ROWS rows or more are GEMMs on the weights decoded
 by `int4_values` (in inductor's loops, decoding a layout whose nibbles land apart wrote 0.8 GB/s of
 bfloat16). int8's kernel is faster than that at every prompt size measured (up to 512 rows).
+
+float_matmul shares their driver (runs of rows sharing an expert, tiles of 8 weight rows) for float
+weights as stored, for a few rows: dot products of 4 weight rows x up to 4 activation rows in
+float32 (bfloat16 weights: x rounded to bfloat16, AVX512_BF16's dot products where the CPU has
+them), each weight row's next rows prefetched. A prompt chunk's float experts of few rows take it
+(runtime/grouped_matmul.py): oneDNN's GEMM costs a fixed ~4 ms per 84 MB of experts at any row count.
 
 The kernels (int_matmul.cpp) are compiled on the host that runs them, for its CPU (-march=native),
 once per source, torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels,
@@ -66,12 +73,18 @@ log = logging.getLogger(__name__)
 torch.library.define("deepinfer::int4_matmul", "(Tensor x, Tensor codes, Tensor scale_zero, Tensor? ids) -> Tensor")
 torch.library.define("deepinfer::int4_values", "(Tensor codes, Tensor scale_zero) -> Tensor")
 torch.library.define("deepinfer::int8_matmul", "(Tensor x, Tensor codes, Tensor scales, Tensor? ids) -> Tensor")
+torch.library.define("deepinfer::float_matmul", "(Tensor x, Tensor w, Tensor? ids) -> Tensor")
 
 
 @torch.library.register_fake("deepinfer::int4_matmul")
 @torch.library.register_fake("deepinfer::int8_matmul")
 def _(x, codes, scales, ids):
     return x.new_empty(x.shape[0], 1 if ids is None else ids.shape[1], codes.shape[-2])
+
+
+@torch.library.register_fake("deepinfer::float_matmul")
+def _(x, w, ids):
+    return x.new_empty(x.shape[0], 1 if ids is None else ids.shape[1], w.shape[-2])
 
 
 @torch.library.register_fake("deepinfer::int4_values")
@@ -97,6 +110,26 @@ def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
     if is_int4(codes) and x.shape[0] >= DECODED_FROM_ROWS:
         return torch.nn.functional.linear(x.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes, scales)).float()
     return matmul(x, codes, scales).squeeze(1)
+
+
+def takes_float(w: torch.Tensor) -> bool:
+    """Whether float_matmul takes this float32 or bfloat16 weight [..., rows, in]: rows a multiple of
+    8, inputs of 32."""
+    return w.dtype in (torch.float32, torch.bfloat16) and w.shape[-2] % ROWS == 0 and w.shape[-1] % BLOCK == 0
+
+
+def float_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """float_matmul's arithmetic in torch (x rounded to bfloat16 for bfloat16 weights): where the
+    kernel cannot be built, and for tests."""
+    x = x.to(w.dtype).float()
+    if ids is None:
+        return (x @ w.float().T)[:, None]
+    out = x.new_zeros(x.shape[0], ids.shape[1], w.shape[-2])
+    for expert in ids.unique().tolist():
+        if 0 <= expert < w.shape[0]:
+            p, j = (ids == expert).nonzero(as_tuple=True)
+            out[p, j] = x[p] @ w[expert].float().T
+    return out
 
 
 def pack_int4(q: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +247,8 @@ def _register() -> bool:
 
         def warn_once():
             if unwarned:
-                log.warning("deepinfer: the int8/int4 kernels could not be built here, so integer weights run through their torch "
-                            "reference, several times slower (%s). Install g++ (or set CXX) for the fast kernel.", unwarned.pop())
+                log.warning("deepinfer: the int8/int4 and few-row float kernels could not be built here, so they run as their torch "
+                            "reference, several times slower (%s). Install g++ (or set CXX) for the fast kernels.", unwarned.pop())
 
         def matmul_reference(x, codes, scales, ids):
             warn_once()
@@ -225,8 +258,13 @@ def _register() -> bool:
             warn_once()
             return values(codes, scales, torch.bfloat16)
 
+        def float_matmul_reference(x, w, ids):
+            warn_once()
+            return float_reference(x, w, ids)
+
         for op in ("int4_matmul", "int8_matmul"):
             torch.library.impl(f"deepinfer::{op}", "CPU")(matmul_reference)
+        torch.library.impl("deepinfer::float_matmul", "CPU")(float_matmul_reference)
         torch.library.impl("deepinfer::int4_values", "CPU")(values_reference)
         return False
 

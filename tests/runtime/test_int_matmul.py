@@ -1,6 +1,7 @@
-"""deepinfer::int8_matmul, int4_matmul and int4_values (runtime/int_matmul.py): the kernels built here do the
-reference's arithmetic, in their AVX-512 VNNI, AVX2 and plain C++ builds, and stay within the
-activations' 8-bit rounding of the float product; without a compiler the reference runs, saying so."""
+"""deepinfer::int8_matmul, int4_matmul, int4_values and float_matmul (runtime/int_matmul.py): the kernels built
+here do the reference's arithmetic, in their AVX-512 (VNNI, BF16), AVX2 and plain C++ builds, and the
+integer ones stay within the activations' 8-bit rounding of the float product; without a compiler the
+reference runs, saying so."""
 
 import os
 import subprocess
@@ -54,6 +55,26 @@ def test_the_kernel_does_the_references_arithmetic_close_to_the_float_product(sh
     torch.testing.assert_close(linear, int_matmul.reference(x, codes[0], scales[0], None), atol=1e-4, rtol=1e-5)
 
 
+def float_case(X, k, E, rows, width, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, rows, width, generator=generator).to(dtype)
+    x = torch.randn(X, width, generator=generator)
+    return x, w, torch.randint(-1, E + 1, (X, k), generator=generator).sort(dim=0).values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [shape[:5] for shape in SHAPES])
+def test_the_few_row_float_kernel_does_the_references_arithmetic(shape, dtype):
+    """float_matmul: float32 weights times x; bfloat16 ones times x rounded to bfloat16 (as a bf16
+    GEMM computes), with ids (runs of 4 and 2 rows, no expert here) and without."""
+    x, w, ids = float_case(*shape, dtype)
+    got = torch.ops.deepinfer.float_matmul(x, w, ids)
+    torch.testing.assert_close(got, int_matmul.float_reference(x, w, ids), atol=1e-4, rtol=1e-4)
+    assert not got[(ids < 0) | (ids >= w.shape[0])].any()
+    linear = torch.ops.deepinfer.float_matmul(x, w[0], None)
+    torch.testing.assert_close(linear, int_matmul.float_reference(x, w[0], None), atol=1e-4, rtol=1e-4)
+
+
 def test_int4_pack_interleaves_rows_of_8_and_unpack_undoes_it():
     q, scale_zero = torch.randint(0, 16, (2, 16, 64)), torch.randn(2, 16, 2, 2).bfloat16()
     codes, pairs = int_matmul.pack_int4(q, scale_zero)
@@ -97,9 +118,12 @@ def test_a_prompts_int4_experts_take_one_kernel_call_and_the_busiest_a_gemm_on_t
 CHECK = """
 import torch
 from deepinfer.runtime import int_matmul
-from tests.runtime.test_int_matmul import SHAPES, case
+from tests.runtime.test_int_matmul import SHAPES, case, float_case
 print("built" if int_matmul.KERNEL_BUILT else "reference")
 for shape in SHAPES:
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, ids = float_case(*shape[:5], dtype)
+        torch.testing.assert_close(torch.ops.deepinfer.float_matmul(x, w, ids), int_matmul.float_reference(x, w, ids), atol=1e-4, rtol=1e-4)
     for bits in (8, 4):
         x, codes, scales, ids = case(*shape, bits=bits)
         torch.testing.assert_close(int_matmul.matmul(x, codes, scales, ids), int_matmul.reference(x, codes, scales, ids),
@@ -113,9 +137,12 @@ def run_check(tmp_path, **env):
     return subprocess.run([sys.executable, "-c", CHECK], env=environment, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+@pytest.mark.parametrize("march", ["skylake-avx512", "haswell", "x86-64"])
 def test_the_avx2_and_plain_builds_agree_with_the_reference(tmp_path, march):
-    """What an AVX2-only host (maddubs instead of VNNI) and a CPU without AVX2 run."""
+    """What an AVX-512 host without VNNI and BF16 (bfloat16 weights widened), an AVX2-only host
+    (maddubs instead of VNNI) and a CPU without AVX2 run."""
+    if march == "skylake-avx512" and "avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX-512 to run that build")
     result = run_check(tmp_path, DEEPINFER_KERNEL_MARCH=march)
     assert result.returncode == 0 and result.stdout.strip() == "built", result.stderr[-3000:]
 
@@ -123,4 +150,4 @@ def test_the_avx2_and_plain_builds_agree_with_the_reference(tmp_path, march):
 def test_without_a_compiler_the_reference_runs_and_says_so(tmp_path):
     result = run_check(tmp_path, CXX=str(tmp_path / "no-compiler"))
     assert result.returncode == 0 and result.stdout.strip() == "reference", result.stderr[-3000:]
-    assert "the int8/int4 kernels could not be built here" in result.stderr and "Install g++ (or set CXX)" in result.stderr
+    assert "the int8/int4 and few-row float kernels could not be built here" in result.stderr and "Install g++ (or set CXX)" in result.stderr

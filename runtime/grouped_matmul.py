@@ -9,9 +9,11 @@ past ends[-1] (pairs another rank computes) are zeros.
 
 Why ops: how many rows each expert takes is known only when the step runs. A static graph can only
 give every expert a fixed capacity (models/moe.py's grouped form: twice the routed FLOPs at the
-default capacity 2, and further passes when routing is uneven). Float experts loop here, one
-product each, by oneDNN's linear (where ATen has oneDNN); int4 experts take one kernel call by id
-(`int_matmul.matmul`), the busiest a GEMM on their weight decoded (int8 experts, never decoded,
+default capacity 2, and further passes when routing is uneven). Both ops take the experts of a
+few rows in one kernel call by id, as a decode step's are, and each busier expert a GEMM: float
+experts the few-row float kernel (`float_matmul`) below FLOAT_GEMM_FROM_ROWS, oneDNN's linear
+(where ATen has oneDNN) from there; int4 experts the int4 kernel (`int_matmul.matmul`), from
+DECODED_FROM_ROWS a GEMM on their weight decoded (int8 experts, never decoded,
 and int4 ones of a chunk too short for a GEMM are that kernel call in the graph: models/moe.py's
 grouped_product). Measured against the alternatives (16 experts [1280, 1024], rows routed evenly
 at random, eager, ms; an AMD EPYC, 2 threads):
@@ -32,8 +34,10 @@ import torch
 from . import int_matmul
 
 # From this many rows a float expert's product is faster as oneDNN's GEMM than in the few-row kernel
-# (16 experts [1280, 1024], ms for all, rows each, the kernel / oneDNN: float32 2 rows 3.0 / 6.4, 4
-# 4.0 / 7.1, 8 5.6 / 7.8, 16 ~10 / 10.0; bfloat16 4 rows 2.1 / 4.3, 8 2.5 / 4.6, 16 5.0 / 6.0).
+# (16 experts [1280, 1024], ms for all, the same rows each, the kernel / oneDNN, 2 threads of the
+# EPYC: float32 2 rows 3.0 / 6.4, 4 4.0 / 7.1, 8 5.6 / 7.8, 16 ~10 / 10.0; bfloat16 4 rows 2.1 /
+# 4.3, 8 2.5 / 4.6, 16 5.0 / 6.0). The grouped op on a 32-token chunk's routing (top-4, ~8 rows an
+# expert): float32 6.2 -> 5.5 ms, bfloat16 3.3 -> 2.4.
 FLOAT_GEMM_FROM_ROWS = {torch.float32: 12, torch.bfloat16: 16}
 ONEDNN = torch.backends.mkldnn.is_available()  # (asked once: the float kernel runs per expert per step)
 
@@ -81,7 +85,8 @@ def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int
 @torch.library.custom_op("deepinfer::grouped_matmul", mutates_args=())
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Experts of fewer than FLOAT_GEMM_FROM_ROWS rows by the few-row float kernel
-    (int_matmul.float_matmul), the others by oneDNN (weights the kernel does not take: all of them)."""
+    (int_matmul.float_matmul), the others by oneDNN; every expert by oneDNN where the kernel does
+    not take the weights' shape."""
     if not int_matmul.takes_float(w):
         return per_expert(x, ends, w.shape[1], lambda rows, e: linear(rows, w[e]))
     return kernel_then_gemms(x, ends, w.shape[0], w.shape[1], FLOAT_GEMM_FROM_ROWS[w.dtype],

@@ -1,7 +1,9 @@
 // deepinfer::int4_matmul and int8_matmul's CPU kernels: activations quantized to int8 blocks times
 // 4- or 8-bit weights by integer dot products (AVX-512 VNNI, else AVX2, else plain C++), as
-// llama.cpp's q4_0 x q8_0 and q8_0 x q8_0. Built on the host that runs them (-march=native) by
-// runtime/int_matmul.py, which documents the layouts and holds the references these must match.
+// llama.cpp's q4_0 x q8_0 and q8_0 x q8_0; and float_matmul's, float weights as stored times a few
+// rows, on the same driver (runs of rows sharing an expert, tiles of 8 weight rows). Built on the
+// host that runs them (-march=native) by runtime/int_matmul.py, which documents the layouts and
+// holds the references these must match.
 //
 // Weights, rows of 8 interleaved, so that a dot product of 4 bytes lands one row a lane (no sums
 // across lanes):

@@ -36,8 +36,9 @@ from . import int_matmul
 # From this many rows a float expert's product is faster as oneDNN's GEMM than in the few-row kernel
 # (16 experts [1280, 1024], ms for all, the same rows each, the kernel / oneDNN, 2 threads of the
 # EPYC: float32 2 rows 3.0 / 6.4, 4 4.0 / 7.1, 8 5.6 / 7.8, 16 ~10 / 10.0; bfloat16 4 rows 2.1 /
-# 4.3, 8 2.5 / 4.6, 16 5.0 / 6.0). The grouped op on a 32-token chunk's routing (top-4, ~8 rows an
-# expert): float32 6.2 -> 5.5 ms, bfloat16 3.3 -> 2.4.
+# 4.3, 8 2.5 / 4.6, 16 5.0 / 6.0). The grouped op on a chunk's routing (top-4), before / now: 32
+# tokens (~8 rows an expert) float32 5.7-6.5 -> 4.8-4.9 ms, bfloat16 3.3 -> 2.4-2.6; 8 tokens (~2)
+# bfloat16 2.2-3.1 -> 1.0-1.2; 128 tokens (~32, every expert oneDNN's) within 3%.
 FLOAT_GEMM_FROM_ROWS = {torch.float32: 12, torch.bfloat16: 16}
 ONEDNN = torch.backends.mkldnn.is_available()  # (asked once: the float kernel runs per expert per step)
 
@@ -65,20 +66,17 @@ def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int
     as a decode step's are (kernel(x, ids [P, 1]) -> [P, 1, features]; 16 calls in a loop cost 1.26x
     that on a 32-token int4 prompt's experts); each other expert a GEMM (gemm(rows, e) -> [rows,
     features])."""
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    by_gemm = torch.cat([counts >= gemm_from_rows, counts.new_ones(1, dtype=torch.bool)])  # [E + 1]
-    expert = torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype), right=True)  # [P]; E past the last
-    ids = torch.where(by_gemm[expert], E, expert)  # E: zeros from the kernel (a GEMM's below, or another rank's)
-    if bool((ids < E).any()):
+    bounds = [0, *ends.tolist()]  # expert e's rows: [bounds[e], bounds[e + 1])
+    by_kernel = [0 < bounds[e + 1] - bounds[e] < gemm_from_rows for e in range(E)]
+    if any(by_kernel):
+        expert = torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype), right=True)  # [P]; E past the last
+        ids = torch.where(torch.tensor([*by_kernel, False])[expert], expert, E)  # E: zeros (a GEMM's rows, another rank's)
         out = kernel(x, ids[:, None]).squeeze(1).to(x.dtype)
     else:
         out = x.new_zeros(x.shape[0], features)
-    if bool(by_gemm[:E].any()):
-        start = 0
-        for e, end in enumerate(ends.tolist()):
-            if end - start >= gemm_from_rows:
-                out[start:end] = gemm(x[start:end], e).to(x.dtype)
-            start = end
+    for e in range(E):
+        if bounds[e + 1] - bounds[e] >= gemm_from_rows:
+            out[bounds[e]:bounds[e + 1]] = gemm(x[bounds[e]:bounds[e + 1]], e).to(x.dtype)
     return out
 
 

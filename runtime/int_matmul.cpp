@@ -246,34 +246,37 @@ void block_dots8(const uint8_t* w, const uint8_t* scales, const Activation* a, i
 }
 #endif
 
-// Float weights (float32 or bfloat16 [rows, in] as stored) times a few activation rows: 4 weight
+// Float weights (float32 or bfloat16 [rows, in] as stored) times a few activation rows: WR weight
 // rows x R activation rows of dot products at a time, each weight row's stream prefetching the row
-// 4 further on (4 row streams a thread otherwise read at ~60% of the memory's rate). bfloat16
-// weights take the activations rounded to bfloat16, as a bf16 GEMM does (AVX512_BF16's dot product
-// of pairs; elsewhere both widened to float).
-constexpr int64_t FLOAT_PASS = 4;  // weight rows one pass reads
+// WR further on (4 row streams a thread otherwise read at ~60% of the memory's rate). One or two
+// activation rows take one weight row at a time (one stream, prefetched ahead: bf16, 16 experts
+// [1280, 1024], 1 row 1.2 ms against 1.6 for 4 rows at a time); more take 4 (8 rows: 2.0 against
+// 2.4), whose loads each serve more products. bfloat16 weights take the activations rounded to
+// bfloat16, as a bf16 GEMM does (AVX512_BF16's dot product of pairs; elsewhere both widened).
+template <int R>
+constexpr int64_t weight_rows_a_pass() { return R <= 2 ? 1 : 4; }
 
 #if defined(__AVX512F__)
-template <int R, bool BF16>
+template <int R, int WR, bool BF16>
 void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const* out) {
-  __m512 acc[R][FLOAT_PASS];
+  __m512 acc[R][WR];
   for (int t = 0; t < R; ++t)
-    for (int r = 0; r < FLOAT_PASS; ++r) acc[t][r] = _mm512_setzero_ps();
+    for (int r = 0; r < WR; ++r) acc[t][r] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
   if constexpr (BF16) {
     const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
     for (int64_t k = 0; k < in; k += 32) {
-      __m512bh wv[FLOAT_PASS], xv[R];
-      for (int r = 0; r < FLOAT_PASS; ++r) {
+      __m512bh wv[WR], xv[R];
+      for (int r = 0; r < WR; ++r) {
         wv[r] = (__m512bh)_mm512_loadu_si512(wb + r * in + k);
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (r + FLOAT_PASS) * in + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (r + WR) * in + k), _MM_HINT_T0);
       }
       for (int t = 0; t < R; ++t) {
         xv[t] = (__m512bh)_mm512_loadu_si512(a[t].xb + k);
         asm volatile("" : "+v"(xv[t]));  // (in a register: not reloaded by every dot product)
       }
       for (int t = 0; t < R; ++t)
-        for (int r = 0; r < FLOAT_PASS; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv[r], xv[t]);
+        for (int r = 0; r < WR; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv[r], xv[t]);
     }
   } else
 #endif
@@ -282,31 +285,31 @@ void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const*
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
     };
     for (int64_t k = 0; k < in; k += 16) {
-      __m512 wv[FLOAT_PASS], xv[R];
-      for (int r = 0; r < FLOAT_PASS; ++r) {
+      __m512 wv[WR], xv[R];
+      for (int r = 0; r < WR; ++r) {
         const uint8_t* row = w + (r * in + k) * (BF16 ? 2 : 4);
         wv[r] = BF16 ? widen(reinterpret_cast<const uint16_t*>(row)) : _mm512_loadu_ps(reinterpret_cast<const float*>(row));
-        _mm_prefetch(reinterpret_cast<const char*>(row + FLOAT_PASS * in * (BF16 ? 2 : 4)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + WR * in * (BF16 ? 2 : 4)), _MM_HINT_T0);
       }
       for (int t = 0; t < R; ++t) {
         xv[t] = BF16 ? widen(a[t].xb + k) : _mm512_loadu_ps(a[t].x + k);
         asm volatile("" : "+v"(xv[t]));
       }
       for (int t = 0; t < R; ++t)
-        for (int r = 0; r < FLOAT_PASS; ++r) acc[t][r] = _mm512_fmadd_ps(wv[r], xv[t], acc[t][r]);
+        for (int r = 0; r < WR; ++r) acc[t][r] = _mm512_fmadd_ps(wv[r], xv[t], acc[t][r]);
     }
   }
   for (int t = 0; t < R; ++t)
-    for (int r = 0; r < FLOAT_PASS; ++r) out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
+    for (int r = 0; r < WR; ++r) out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
 }
 #else
 // (AVX2 and plain C++: LANES independent sums a dot product, which the compiler vectorizes)
-template <int R, bool BF16>
+template <int R, int WR, bool BF16>
 void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const* out) {
   constexpr int LANES = 8;
-  float acc[R][FLOAT_PASS][LANES] = {};
+  float acc[R][WR][LANES] = {};
   for (int64_t k = 0; k < in; k += LANES)
-    for (int r = 0; r < FLOAT_PASS; ++r) {
+    for (int r = 0; r < WR; ++r) {
       float wv[LANES];
       for (int l = 0; l < LANES; ++l)
         wv[l] = BF16 ? bf16_to_float(reinterpret_cast<const uint16_t*>(w)[r * in + k + l]) : reinterpret_cast<const float*>(w)[r * in + k + l];
@@ -314,7 +317,7 @@ void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const*
         for (int l = 0; l < LANES; ++l) acc[t][r][l] += wv[l] * (BF16 ? bf16_to_float(a[t].xb[k + l]) : a[t].x[k + l]);
     }
   for (int t = 0; t < R; ++t)
-    for (int r = 0; r < FLOAT_PASS; ++r) {
+    for (int r = 0; r < WR; ++r) {
       float total = 0.f;
       for (int l = 0; l < LANES; ++l) total += acc[t][r][l];
       out[t][r] = total;
@@ -325,10 +328,12 @@ void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const*
 // One row block (8 weight rows, `in` elements apart) times R activation rows -> out[t][0..8).
 template <int R, bool BF16>
 void float_dots(const uint8_t* w, const uint8_t*, const Activation* a, int64_t in, int64_t, float* const* out) {
-  float* second[R];
-  for (int t = 0; t < R; ++t) second[t] = out[t] + FLOAT_PASS;
-  float_pass<R, BF16>(w, a, in, out);
-  float_pass<R, BF16>(w + FLOAT_PASS * in * (BF16 ? 2 : 4), a, in, second);
+  constexpr int64_t WR = weight_rows_a_pass<R>();
+  for (int64_t first = 0; first < ROWS; first += WR) {
+    float* rows_out[R];
+    for (int t = 0; t < R; ++t) rows_out[t] = out[t] + first;
+    float_pass<R, WR, BF16>(w + first * in * (BF16 ? 2 : 4), a, in, rows_out);
+  }
 }
 
 constexpr int MAX_RUN_ROWS = 4;  // activation rows a block's dots take at once

@@ -50,22 +50,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
-def per_expert(x: torch.Tensor, ends: torch.Tensor, features: int, product) -> torch.Tensor:
-    """[P, features]: product(rows, e) for each expert e's rows of x, zeros past the last."""
-    out = x.new_zeros(x.shape[0], features)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end > start:
-            out[start:end] = product(x[start:end], expert)
-        start = end
-    return out
-
-
 def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int, gemm_from_rows: int, kernel, gemm) -> torch.Tensor:
     """[P, features]: the experts of fewer than gemm_from_rows rows in one kernel call, taken by id
     as a decode step's are (kernel(x, ids [P, 1]) -> [P, 1, features]; 16 calls in a loop cost 1.26x
-    that on a 32-token int4 prompt's experts); each other expert a GEMM (gemm(rows, e) -> [rows,
-    features])."""
+    that on a 32-token int4 prompt's experts); each other expert with rows a GEMM (gemm(rows, e) ->
+    [rows, features]). gemm_from_rows 0: every expert a GEMM."""
     bounds = [0, *ends.tolist()]  # expert e's rows: [bounds[e], bounds[e + 1])
     by_kernel = [0 < bounds[e + 1] - bounds[e] < gemm_from_rows for e in range(E)]
     if any(by_kernel):
@@ -75,8 +64,9 @@ def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int
     else:
         out = x.new_zeros(x.shape[0], features)
     for e in range(E):
-        if bounds[e + 1] - bounds[e] >= gemm_from_rows:
-            out[bounds[e]:bounds[e + 1]] = gemm(x[bounds[e]:bounds[e + 1]], e).to(x.dtype)
+        first, last = bounds[e], bounds[e + 1]
+        if last > first and last - first >= gemm_from_rows:
+            out[first:last] = gemm(x[first:last], e).to(x.dtype)
     return out
 
 
@@ -85,9 +75,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     """Experts of fewer than FLOAT_GEMM_FROM_ROWS rows by the few-row float kernel
     (int_matmul.float_matmul), the others by oneDNN; every expert by oneDNN where the kernel does
     not take the weights' shape."""
-    if not int_matmul.takes_float(w):
-        return per_expert(x, ends, w.shape[1], lambda rows, e: linear(rows, w[e]))
-    return kernel_then_gemms(x, ends, w.shape[0], w.shape[1], FLOAT_GEMM_FROM_ROWS[w.dtype],
+    gemm_from_rows = FLOAT_GEMM_FROM_ROWS[w.dtype] if int_matmul.takes_float(w) else 0
+    return kernel_then_gemms(x, ends, w.shape[0], w.shape[1], gemm_from_rows,
                              lambda x, ids: torch.ops.deepinfer.float_matmul(x.float().contiguous(), w, ids), lambda rows, e: linear(rows, w[e]))
 
 

@@ -37,8 +37,8 @@ float_matmul shares their driver (runs of rows sharing an expert, tiles of 8 wei
 weights as stored, for a few rows: dot products of 4 weight rows (1 for one or two activation
 rows) x up to 4 activation rows in float32 (bfloat16 weights: x rounded to bfloat16, AVX512_BF16's
 dot products where the CPU has them), each weight row's next rows prefetched. A prompt chunk's
-float experts of few rows take it
-(runtime/grouped_matmul.py): oneDNN's GEMM costs a fixed ~4 ms per 84 MB of experts at any row count.
+float experts of few rows take it (runtime/grouped_matmul.py): oneDNN's GEMM costs a fixed ~4 ms
+per 84 MB of experts at any row count.
 
 The kernels (int_matmul.cpp) are compiled on the host that runs them, for its CPU (-march=native),
 once per source, torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels,

@@ -56,12 +56,12 @@ def bundles(checkpoint, tmp_path_factory, cache_dir):
 RUN_SECONDS: dict[Path, float] = {}  # bundle -> how long its last plain run took, start-up included
 
 
-def run_bundle(bundle: Path, *extra, timeout=300, env=None) -> subprocess.CompletedProcess:
-    args = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+def run_bundle(bundle: Path, *extra, timeout=300, env=None, prompts=PROMPTS) -> subprocess.CompletedProcess:
+    args = [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *args,
                              "--max-tokens", str(MAX_TOKENS), "--json", *extra], capture_output=True, text=True, timeout=timeout, env=env)
-    if result.returncode == 0 and not extra and env is None:
+    if result.returncode == 0 and not extra and env is None and prompts is PROMPTS:
         RUN_SECONDS[bundle] = time.monotonic() - start
     return result
 
@@ -123,6 +123,19 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def followers(pid: int) -> list[int]:
+    """The follower ranks a leader spawned: not a short-lived child such as the `g++ --version` its
+    kernels' cache key asks for (taken for a follower on a busy machine, it was gone when signalled)."""
+    out = []
+    for child in children(pid):
+        try:
+            if b"deepinfer.runtime.follower" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:
+            continue
+    return out
+
+
 def generating_after(bundle: Path) -> float:
     """Seconds after which a run of this bundle started now is generating: past a whole short run
     (start-up, generation, exit) as measured on this machine, busy or not, by this module's
@@ -144,10 +157,10 @@ def start_long_generation(bundle: Path, n_followers: int, env=None, prefill=Fals
                                "--max-tokens", "1" if prefill else "200"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
-    while len(children(leader.pid)) < n_followers:
+    while len(followers(leader.pid)) < n_followers:
         assert time.monotonic() < deadline and leader.poll() is None
         time.sleep(0.1)
-    return leader, sorted(children(leader.pid))
+    return leader, sorted(followers(leader.pid))
 
 
 def alive(pids: list[int]) -> bool:

@@ -19,7 +19,7 @@ from deepinfer.runtime.engine import Engine, Request
 from deepinfer.runtime.executor import BundleExecutor
 from deepinfer.runtime.sampling import SamplingParams, probabilities, verify_drafts
 from tests.conftest import tiny_v4_config, write_recipe
-from tests.runtime.test_multirank import MAX_TOKENS as RUN_TOKENS, PROMPTS as RUN_PROMPTS
+from tests.runtime.test_multirank import MAX_TOKENS as RUN_TOKENS, PROMPTS as RUN_PROMPTS, run_bundle
 
 # Prompts over one and two prefill chunks (16, 64), and a one-token prompt.
 PROMPTS = [[5, 6, 7], list(range(20, 56)), list(range(100, 180)), [9]]
@@ -179,9 +179,7 @@ def test_speculation_over_ranks(spec_bundles, bundle, arch):
     prefix copied from a running sequence on both ranks. One run: its third prompt repeats the
     second, and the fifth waits for a free slot."""
     prompts = [RUN_PROMPTS[0], RUN_PROMPTS[1], RUN_PROMPTS[1], *RUN_PROMPTS[2:]]
-    args = [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
-    result = subprocess.run([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(spec_bundles[bundle]), *args,
-                             "--max-tokens", str(RUN_TOKENS), "--json"], capture_output=True, text=True, timeout=300)
+    result = run_bundle(spec_bundles[bundle], prompts=prompts)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout)["results"]
     assert [r["token_ids"] for r in results] == greedy_for(prompts, RUN_TOKENS, arch)

@@ -147,12 +147,13 @@ def generating_after(bundle: Path) -> float:
 
 
 def start_long_generation(bundle: Path, n_followers: int, env=None, prefill=False) -> tuple[subprocess.Popen, list[int]]:
-    """The leader on 40 prompts x 200 tokens (far longer than any test waits), once its followers run;
+    """The leader on 400 prompts x 200 tokens (minutes: far longer than any test waits, however idle
+    the machine), once its followers run;
     `prefill`: on 400 prompts of 160 tokens x 1 token, so that every step is a prefill chunk."""
     if prefill:
         many = [a for i in range(400) for a in ("--prompt-ids", ",".join(str(3 + (i + j) % 300) for j in range(160)))]
     else:
-        many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
+        many = [a for i in range(400) for a in ("--prompt-ids", f"{i % 300 + 3},{i % 300 + 4},{i % 300 + 5}")]
     leader = subprocess.Popen([sys.executable, "-m", "deepinfer.runtime.cli", "--bundle", str(bundle), *many,
                                "--max-tokens", "1" if prefill else "200"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -296,7 +297,7 @@ def test_two_torchrun_hosts_give_the_tokens_of_one(bundles):
 
 def test_a_killed_rank_on_the_second_host_stops_both(bundles):
     shm_before = leftovers()
-    many = [a for i in range(40) for a in ("--prompt-ids", f"{i + 3},{i + 4},{i + 5}")]
+    many = [a for i in range(400) for a in ("--prompt-ids", f"{i % 300 + 3},{i % 300 + 4},{i % 300 + 5}")]
     hosts = two_hosts(bundles["ws4_tp1_ep4"], *many, "--max-tokens", "200")
     try:
         # Host 1's ring appears once its first rank has loaded, and goes once every rank has joined.

@@ -11,7 +11,7 @@ Why ops: how many rows each expert takes is known only when the step runs. A sta
 give every expert a fixed capacity (models/moe.py's grouped form: twice the routed FLOPs at the
 default capacity 2, and further passes when routing is uneven). Both ops take the experts of a
 few rows in one kernel call by id, as a decode step's are, and each busier expert a GEMM: float
-experts the few-row float kernel (`float_matmul`) below FLOAT_GEMM_FROM_ROWS, oneDNN's linear
+experts the few-row float kernel (`float_matmul`) below gemm_from_rows(w), oneDNN's linear
 (where ATen has oneDNN) from there; int4 experts the int4 kernel (`int_matmul.matmul`), from
 DECODED_FROM_ROWS a GEMM on their weight decoded (int8 experts, never decoded,
 and int4 ones of a chunk too short for a GEMM are that kernel call in the graph: models/moe.py's
@@ -33,19 +33,31 @@ import torch
 
 from . import int_matmul
 
-# From this many rows a float expert's product is faster as oneDNN's GEMM than in the few-row kernel
-# (16 experts [1280, 1024], ms for all, the same rows each, the kernel / oneDNN, 2 threads of the
-# EPYC: float32 2 rows 3.0 / 6.4, 4 4.0 / 7.1, 8 5.6 / 7.8, 16 ~10 / 10.0; bfloat16 4 rows 2.1 /
-# 4.3, 8 2.5 / 4.6, 16 5.0 / 6.0). The grouped op on a chunk's routing (top-4), before / now: 32
-# tokens (~8 rows an expert) float32 5.7-6.5 -> 4.8-4.9 ms, bfloat16 3.3 -> 2.4-2.6; 8 tokens (~2)
-# bfloat16 2.2-3.1 -> 1.0-1.2; 128 tokens (~32, every expert oneDNN's) within 3%.
-FLOAT_GEMM_FROM_ROWS = {torch.float32: 12, torch.bfloat16: 16}
+# From this many rows a float expert's product is faster as oneDNN's GEMM than in the few-row kernel.
+# The grouped op on 16 experts [1280, 1024], a chunk's routing (top-4) at random, 2 threads of the
+# EPYC, ms with every expert oneDNN's / this split: float32 8 tokens (~2 rows an expert) 3.8 / 1.8,
+# 32 (~8) 5.6 / 3.9, 64 (~16) 7.7 / 5.8, 128 (~32) 10.2 / 10.2-10.9 (the kernel for all: 10.9);
+# bfloat16 8 tokens 2.5 / 1.1, 32 3.4 / 1.6, 64 4.9 / 2.8, 128 6.8 / 5.4, 256 (~64) 10.2 / 10.1.
+FLOAT_GEMM_FROM_ROWS = {torch.float32: 24, torch.bfloat16: 48}
 ONEDNN = torch.backends.mkldnn.is_available()  # (asked once: the float kernel runs per expert per step)
+# oneDNN's bf16 GEMM needs AVX-512 (or native bf16); elsewhere ATen emulates bf16 GEMMs ~9x slower
+# than float32's (compiler/backends/float32_products.py), and the kernel, widening bf16 to float32,
+# takes float experts of every row count.
+ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def gemm_from_rows(w: torch.Tensor) -> int:
+    """From how many rows a float expert of w is a GEMM (0: every expert, the kernel not taking w)."""
+    if not int_matmul.takes_float(w):
+        return 0
+    if w.dtype == torch.bfloat16 and not ONEDNN_BF16:
+        return 1 << 62  # (never)
+    return FLOAT_GEMM_FROM_ROWS[w.dtype]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, in] @ w [out, in].T, through oneDNN where ATen has it."""
-    if ONEDNN and x.is_contiguous() and w.is_contiguous():
+    """x [M, in] @ w [out, in].T, through oneDNN where ATen has it (bf16: where oneDNN does)."""
+    if ONEDNN and (ONEDNN_BF16 or w.dtype != torch.bfloat16) and x.is_contiguous() and w.is_contiguous():
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return torch.nn.functional.linear(x, w)
 
@@ -72,11 +84,10 @@ def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int
 
 @torch.library.custom_op("deepinfer::grouped_matmul", mutates_args=())
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Experts of fewer than FLOAT_GEMM_FROM_ROWS rows by the few-row float kernel
+    """Experts of fewer than gemm_from_rows(w) rows by the few-row float kernel
     (int_matmul.float_matmul), the others by oneDNN; every expert by oneDNN where the kernel does
     not take the weights' shape."""
-    gemm_from_rows = FLOAT_GEMM_FROM_ROWS[w.dtype] if int_matmul.takes_float(w) else 0
-    return kernel_then_gemms(x, ends, w.shape[0], w.shape[1], gemm_from_rows,
+    return kernel_then_gemms(x, ends, w.shape[0], w.shape[1], gemm_from_rows(w),
                              lambda x, ids: torch.ops.deepinfer.float_matmul(x.float().contiguous(), w, ids), lambda rows, e: linear(rows, w[e]))
 
 

@@ -248,13 +248,25 @@ void block_dots8(const uint8_t* w, const uint8_t* scales, const Activation* a, i
 
 // Float weights (float32 or bfloat16 [rows, in] as stored) times a few activation rows: WR weight
 // rows x R activation rows of dot products at a time, each weight row's stream prefetching the row
-// WR further on (4 row streams a thread otherwise read at ~60% of the memory's rate). One or two
-// activation rows take one weight row at a time (one stream, prefetched ahead: bf16, 16 experts
-// [1280, 1024], 1 row 1.2 ms against 1.6 for 4 rows at a time); more take 4 (8 rows: 2.0 against
-// 2.4), whose loads each serve more products. bfloat16 weights take the activations rounded to
-// bfloat16, as a bf16 GEMM does (AVX512_BF16's dot product of pairs; elsewhere both widened).
+// PREFETCH_PASSES passes further on into L2. One or two activation rows take one weight row at a
+// time (one stream: bf16, 16 experts [1280, 1024], 1 row 1.2 ms against 1.6 for 4 rows at a time);
+// 3-4 rows take 4, whose loads each serve more products; 5-8 rows take 2 (16 accumulators, as 4x4).
+// Into L2 rather than L1, and 4 passes ahead: L1 holds too few misses in flight to stream while
+// the dot products keep the core busy (a [20480, 1024] weight, 8 rows, bf16 2.14 -> 1.2 ms, float32
+// 4.0 -> 3.3-3.7; 4 rows bf16 1.8 -> 1.0, float32 3.0 -> 2.1-2.4; 2 and 8 passes ahead alike).
+// bfloat16 weights take the activations rounded to bfloat16, as a bf16 GEMM does (AVX512_BF16's
+// dot product of pairs; elsewhere both widened).
+// AVX2 (16 registers of 8 lanes): at most 8 accumulators, 4 weight rows for one or two activation
+// rows (independent sums), fewer as the rows grow.
 template <int R>
-constexpr int64_t weight_rows_a_pass() { return R <= 2 ? 1 : 4; }
+constexpr int64_t weight_rows_a_pass() {
+#if defined(__AVX512F__)
+  return R <= 2 ? 1 : R <= 4 ? 4 : 2;
+#else
+  return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+#endif
+}
+constexpr int64_t PREFETCH_PASSES = 4;
 
 #if defined(__AVX512F__)
 template <int R, int WR, bool BF16>
@@ -269,7 +281,7 @@ void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const*
       __m512bh wv[WR], xv[R];
       for (int r = 0; r < WR; ++r) {
         wv[r] = (__m512bh)_mm512_loadu_si512(wb + r * in + k);
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (r + WR) * in + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (r + PREFETCH_PASSES * WR) * in + k), _MM_HINT_T1);
       }
       for (int t = 0; t < R; ++t) {
         xv[t] = (__m512bh)_mm512_loadu_si512(a[t].xb + k);
@@ -289,7 +301,7 @@ void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const*
       for (int r = 0; r < WR; ++r) {
         const uint8_t* row = w + (r * in + k) * (BF16 ? 2 : 4);
         wv[r] = BF16 ? widen(reinterpret_cast<const uint16_t*>(row)) : _mm512_loadu_ps(reinterpret_cast<const float*>(row));
-        _mm_prefetch(reinterpret_cast<const char*>(row + WR * in * (BF16 ? 2 : 4)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_PASSES * WR * in * (BF16 ? 2 : 4)), _MM_HINT_T1);
       }
       for (int t = 0; t < R; ++t) {
         xv[t] = BF16 ? widen(a[t].xb + k) : _mm512_loadu_ps(a[t].x + k);
@@ -302,8 +314,40 @@ void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const*
   for (int t = 0; t < R; ++t)
     for (int r = 0; r < WR; ++r) out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int R, int WR, bool BF16>
+void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const* out) {
+  auto load = [](const uint8_t* p) {  // 8 float32, or 8 bfloat16 widened
+    if constexpr (BF16)
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    else
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  };
+  constexpr int64_t BYTES = BF16 ? 2 : 4;
+  __m256 acc[R][WR];
+  for (int t = 0; t < R; ++t)
+    for (int r = 0; r < WR; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in; k += 8) {
+    __m256 wv[WR];
+    for (int r = 0; r < WR; ++r) {
+      const uint8_t* row = w + (r * in + k) * BYTES;
+      wv[r] = load(row);
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_PASSES * WR * in * BYTES), _MM_HINT_T1);
+    }
+    for (int t = 0; t < R; ++t) {
+      const __m256 xv = load(BF16 ? reinterpret_cast<const uint8_t*>(a[t].xb + k) : reinterpret_cast<const uint8_t*>(a[t].x + k));
+      for (int r = 0; r < WR; ++r) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < R; ++t)
+    for (int r = 0; r < WR; ++r) {
+      __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[t][r]), _mm256_extractf128_ps(acc[t][r], 1));
+      sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+      out[t][r] = _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+    }
+}
 #else
-// (AVX2 and plain C++: LANES independent sums a dot product, which the compiler vectorizes)
+// (plain C++: LANES independent sums a dot product, which the compiler vectorizes)
 template <int R, int WR, bool BF16>
 void float_pass(const uint8_t* w, const Activation* a, int64_t in, float* const* out) {
   constexpr int LANES = 8;
@@ -336,15 +380,16 @@ void float_dots(const uint8_t* w, const uint8_t*, const Activation* a, int64_t i
   }
 }
 
-constexpr int MAX_RUN_ROWS = 4;  // activation rows a block's dots take at once
-// A format's dots for one row block times 1..MAX_RUN_ROWS activation rows (index: the rows).
+constexpr int MAX_RUN_ROWS = 8;  // activation rows a block's dots take at once, at most (a format's run_rows)
+// A format's dots for one row block times 1..run_rows activation rows (index: the rows).
 using BlockDots = void (*)(const uint8_t* w, const uint8_t* scales, const Activation* a, int64_t in, int64_t group, float* const* out);
-constexpr BlockDots INT4_DOTS[MAX_RUN_ROWS + 1] = {nullptr, block_dots<1>, block_dots<2>, block_dots<3>, block_dots<4>};
-constexpr BlockDots INT8_DOTS[MAX_RUN_ROWS + 1] = {nullptr, block_dots8<1>, block_dots8<2>, block_dots8<3>, block_dots8<4>};
-constexpr BlockDots FLOAT32_DOTS[MAX_RUN_ROWS + 1] = {nullptr, float_dots<1, false>, float_dots<2, false>, float_dots<3, false>,
-                                                     float_dots<4, false>};
-constexpr BlockDots BFLOAT16_DOTS[MAX_RUN_ROWS + 1] = {nullptr, float_dots<1, true>, float_dots<2, true>, float_dots<3, true>,
-                                                      float_dots<4, true>};
+constexpr BlockDots INT4_DOTS[] = {nullptr, block_dots<1>, block_dots<2>, block_dots<3>, block_dots<4>};
+constexpr BlockDots INT8_DOTS[] = {nullptr, block_dots8<1>, block_dots8<2>, block_dots8<3>, block_dots8<4>};
+// (float: up to 8 rows in one pass, so that every pass over a weight tile streams the next one in:
+// 8 rows in two passes of 4 left the memory idle in the second)
+template <bool BF16>
+constexpr BlockDots FLOAT_DOTS[] = {nullptr, float_dots<1, BF16>, float_dots<2, BF16>, float_dots<3, BF16>, float_dots<4, BF16>,
+                                    float_dots<5, BF16>, float_dots<6, BF16>, float_dots<7, BF16>, float_dots<8, BF16>};
 
 // What a format's dots take of the activations.
 enum class Operand { quantized, float32, bfloat16 };
@@ -356,6 +401,7 @@ struct Weights {
   const uint8_t* scales;
   int64_t scale_bytes;  // a row's
   const BlockDots* dots;
+  int run_rows;  // the most activation rows its dots take at once
   Operand operand;
 };
 
@@ -407,8 +453,8 @@ Tensor products(const Tensor& x, const std::optional<Tensor>& ids, int64_t E, in
       const int64_t first = (task % tiles) * ROW_BLOCKS, last = std::min(row_blocks, first + ROW_BLOCKS);
       const bool owned = run.expert >= 0 && run.expert < E;
       for (int64_t block = first; block < last; ++block)
-        for (int64_t p = run.first; p < run.last; p += MAX_RUN_ROWS) {
-          const int n = int(std::min<int64_t>(MAX_RUN_ROWS, run.last - p));
+        for (int64_t p = run.first; p < run.last; p += weights.run_rows) {
+          const int n = int(std::min<int64_t>(weights.run_rows, run.last - p));
           Activation a[MAX_RUN_ROWS];
           float* out_rows[MAX_RUN_ROWS];
           for (int t = 0; t < n; ++t) {
@@ -446,7 +492,7 @@ Tensor int4_matmul(Tensor x, Tensor codes, Tensor scale_zero, std::optional<Tens
   STD_TORCH_CHECK(codes.size(-1) * 2 == in && groups * group == in && group % BLOCK == 0 && rows % ROWS == 0,
                   "int4_matmul: inputs must be a multiple of the group (a multiple of 32), rows of 8");
   const Weights weights{static_cast<const uint8_t*>(codes.const_data_ptr()), in / 2,
-                        static_cast<const uint8_t*>(scale_zero.const_data_ptr()), groups * 4, INT4_DOTS,
+                        static_cast<const uint8_t*>(scale_zero.const_data_ptr()), groups * 4, INT4_DOTS, 4,
                         Operand::quantized};
   return products(x, ids, E, rows, group, weights, "int4_matmul");
 }
@@ -460,7 +506,7 @@ Tensor int8_matmul(Tensor x, Tensor codes, Tensor scales, std::optional<Tensor> 
   STD_TORCH_CHECK(codes.size(-1) == in && in % BLOCK == 0 && rows % ROWS == 0 && scales.numel() == E * rows,
                   "int8_matmul: inputs must be a multiple of 32, rows of 8, a scale a row");
   const Weights weights{static_cast<const uint8_t*>(codes.const_data_ptr()), in, static_cast<const uint8_t*>(scales.const_data_ptr()), 2,
-                        INT8_DOTS, Operand::quantized};
+                        INT8_DOTS, 4, Operand::quantized};
   return products(x, ids, E, rows, 0, weights, "int8_matmul");
 }
 
@@ -472,8 +518,8 @@ Tensor float_matmul(Tensor x, Tensor w, std::optional<Tensor> ids) {
   const int64_t in = x.size(1), E = ids.has_value() ? w.size(0) : 1, rows = w.size(-2);
   STD_TORCH_CHECK(w.size(-1) == in && in % BLOCK == 0 && rows % ROWS == 0, "float_matmul: inputs must be a multiple of 32, rows of 8");
   const int64_t row_bytes = in * (bf16 ? 2 : 4);
-  const Weights weights{static_cast<const uint8_t*>(w.const_data_ptr()), row_bytes, nullptr, 0, bf16 ? BFLOAT16_DOTS : FLOAT32_DOTS,
-                        bf16 ? Operand::bfloat16 : Operand::float32};
+  const Weights weights{static_cast<const uint8_t*>(w.const_data_ptr()), row_bytes, nullptr, 0, bf16 ? FLOAT_DOTS<true> : FLOAT_DOTS<false>,
+                        MAX_RUN_ROWS, bf16 ? Operand::bfloat16 : Operand::float32};
   return products(x, ids, E, rows, 0, weights, "float_matmul");
 }
 

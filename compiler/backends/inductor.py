@@ -26,7 +26,7 @@ import torch
 import torch._inductor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.compiler.backends import blocked_matmul, float32_products, fp8_decode, gathered_matvec
+from deepinfer.compiler.backends import blocked_matmul, few_row_products, float32_products, fp8_decode, gathered_matvec
 
 EXTENSION = "aoti.pt2"
 INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_matmul.py) run in its regions
@@ -34,9 +34,11 @@ INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_mat
 # A decode step of ONE row multiplies it by each weight: a memory-bound GEMV, which inductor's mm
 # decomposition pass turns into a fused multiply-reduce kernel (bench/decode_bench.py measures it
 # at batch 1). From 2 rows on that kernel re-reads the weight per row and loses to the BLAS call
-# (bench/mm_decomposition_bench.py: 2 rows 2x, 8 rows 3.8x slower), so batched decode and
-# prefill keep BLAS, cut into weight blocks at 4-8 rows (graph_passes: blocked_matmul.py). The
-# routed experts' products with gathered weights are reductions at any row count (gathered_matvec.py).
+# (bench/mm_decomposition_bench.py: 2 rows 2x, 8 rows 3.8x slower), so batched decode and short
+# prompt chunks call deepinfer's few-row kernel on stored float weights (graph passes:
+# few_row_products.py), longer chunks BLAS (cut into weight blocks at 4-8 rows where the kernel does
+# not apply: blocked_matmul.py). The routed experts' products with gathered weights are reductions
+# at any row count (gathered_matvec.py).
 DEFAULTS = {
     "post_grad_fusion_options": {
         "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 1, "cpu_max_other_dimension_decomposition": 1 << 30},
@@ -85,7 +87,7 @@ def compute_note(toolchain: dict, dtype: str, kept_quantized: bool) -> str | Non
     return "; ".join(notes) or None
 
 
-PASSES = (float32_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
+PASSES = (float32_products, few_row_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
 
 
 class GraphPasses(CustomGraphPass):
@@ -97,6 +99,7 @@ class GraphPasses(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph):
         float32_products.reduction_patterns.apply(graph)
+        few_row_products.patterns.apply(graph)  # (before the float32 copies: the kernel reads bf16 as stored)
         if self.bf16_products_in_float32:
             float32_products.chunk_patterns.apply(graph)
         blocked_matmul.patterns.apply(graph)

@@ -11,11 +11,11 @@ from torch._inductor.utils import run_and_get_code
 from deepinfer.compiler.backends import float32_products, inductor
 
 BF16 = torch.bfloat16
-SHAPES = ((1, 96), (16, 96), (320, 96), (256, 96), (1, 4, 32), (4, 32, 48), (320,), (1, 4, 64), (1, 64, 48))  # layer's arguments
+SHAPES = ((1, 96), (24, 96), (320, 96), (256, 96), (1, 4, 32), (4, 32, 48), (320,), (1, 4, 64), (1, 64, 48))  # layer's arguments
 
 
 def layer(row, rows, w_row, w_rows, q, w_heads, bias, probs, cache):
-    # a decode row and a 16-row chunk times weights, a per-head product (MLA's absorbed einsum),
+    # a decode row and a 24-row chunk times weights (past the few-row kernel's rows), a per-head product (MLA's absorbed einsum),
     # a decode row through a linear with a bias (addmm), and a decode step's 4 heads summing a
     # short cache (a few rows over a small matrix)
     return (F.linear(row, w_row), F.linear(rows, w_rows), torch.einsum("thn,hnr->thr", q, w_heads),
@@ -41,7 +41,7 @@ def test_bf16_products_are_computed_in_float32():
     for got, expected in zip(results, in_float32(*args)):
         assert got.dtype == BF16
         torch.testing.assert_close(got, expected, atol=0, rtol=2 ** -7)  # at most the last bf16 bit apart
-    # the 16-row product: one BLAS call, on float32 copies of its operands (the weight's in its stored order)
+    # the 24-row product: one BLAS call, on float32 copies of its operands (the weight's in its stored order)
     assert code.count("extern_kernels.mm(") == 1 and "empty_strided_cpu((256, 96), (96, 1), torch.float32)" in code, code
     # the one-row and few-row products: reductions that read the matrices as stored, never a float32 copy of one
     assert "extern_kernels.bmm(" not in code and "extern_kernels.addmm(" not in code, code
@@ -70,7 +70,7 @@ def test_big_matrices_are_copied_to_float32_a_piece_at_a_time(monkeypatch):
     piece's copy made before its BLAS call: the same products as one call."""
     monkeypatch.setattr(float32_products, "PIECE_BYTES", 2 * 128 * 96 * 4)  # two experts; 256 columns; 512 inner
     torch.manual_seed(0)
-    shapes = ((6, 8, 96), (6, 128, 96), (16, 96), (320, 96), (320,), (1, 8, 640), (1, 640, 48))
+    shapes = ((6, 8, 96), (6, 128, 96), (24, 96), (320, 96), (320,), (1, 8, 640), (1, 640, 48))
     args = tuple(torch.randn(shape).to(BF16) for shape in shapes)
     torch._dynamo.reset()
     with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes(True)):

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from deepinfer.models.int_weights import int4_codes, int8_codes, int_tensors
-from deepinfer.runtime import int_matmul
+from deepinfer.runtime import grouped_matmul, int_matmul
 from tests.conftest import ROOT
 
-# (X rows, k experts a row, E, rows, in, group): groups of one to four blocks; 6 rows of one expert
-# make runs of 4 and 2; sorted ids make runs of rows that share an expert; -1 and E: no expert here.
-SHAPES = [(1, 4, 16, 96, 1024, 32), (3, 2, 4, 40, 192, 64), (6, 1, 3, 24, 320, 32), (5, 1, 2, 16, 256, 128), (6, 1, 1, 8, 96, 32)]
+# (X rows, k experts a row, E, rows, in, group): groups of one to four blocks; rows of one expert
+# make runs of 4 at most for integer weights (6: 4 and 2; 11: 4, 4 and 3), of 8 for float ones (11:
+# 8 and 3); sorted ids make runs of rows that share an expert; -1 and E: no expert here.
+SHAPES = [(1, 4, 16, 96, 1024, 32), (3, 2, 4, 40, 192, 64), (6, 1, 3, 24, 320, 32), (5, 1, 2, 16, 256, 128), (6, 1, 1, 8, 96, 32),
+          (11, 1, 1, 16, 64, 32)]
 
 
 @pytest.fixture(autouse=True)
@@ -111,6 +113,23 @@ def test_a_prompts_int4_experts_take_one_kernel_call_and_the_busiest_a_gemm_on_t
     start = 0
     for expert, end in enumerate(ends.tolist()):
         assert torch.equal(got[start:end], int_matmul.product(x[start:end], codes[expert], scale_zero[expert]))
+        start = end
+    assert not got[start:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_float_experts_take_the_kernel_and_the_busiest_a_gemm(dtype):
+    """deepinfer::grouped_matmul: rows sorted by expert; the experts of fewer than gemm_from_rows
+    rows by the kernel, the others a GEMM; rows past the last end zeros. Each close to that
+    expert's own product."""
+    x, w, _ = float_case(80, 1, 4, 16, 64, dtype)
+    many = min(grouped_matmul.gemm_from_rows(w), 60)
+    ends = torch.tensor([3, 3, 3 + many, 3 + many + 11], dtype=torch.int32)  # (the rest: no expert)
+    got = torch.ops.deepinfer.grouped_matmul(x.to(dtype), w, ends)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        expected = (x[start:end].to(dtype).float() @ w[expert].float().T).to(dtype)
+        torch.testing.assert_close(got[start:end], expected, atol=1e-4, rtol=1e-4 if dtype == torch.float32 else 1e-2)
         start = end
     assert not got[start:].any()
 

@@ -1,0 +1,97 @@
+"""An inductor graph pass for CPU products of a few rows with a stored float weight: x [M, K] @ W.T,
+W a float32 or bfloat16 [N, K] region input and 2 <= M <= few_rows()[dtype], becomes deepinfer's
+few-row float kernel (runtime/int_matmul.py's float_matmul), which reads the weight once for all
+M rows as it lies, prefetching ahead, with no packing.
+
+Why: a batched decode step or a short prompt chunk is bound by reading the weights, and the BLAS
+calls read them slowly at a few rows (MKL's float32 GEMM packs the weight first; blocked_matmul.py
+only halves its loss at 4-8 rows). Side by side, weights streamed from memory, torch.mm / the
+kernel, ms, 2 threads of an AMD EPYC (Zen 4):
+                          2 rows        8            16           32           64
+    float32  [2816, 1024] 1.25 / 0.38   1.15 / 0.55  1.38 / 0.83  1.81 / 1.30  2.75 / 2.42
+             [768, 384]   0.15 / 0.03   0.12 / 0.04  0.15 / 0.07  0.19 / 0.13  0.29 / 0.25
+    bfloat16 [2816, 1024] 0.31 / 0.20   0.39 / 0.21  0.49 / 0.38  0.68 / 0.67  1.09 / 1.27
+             [768, 384]   0.07 / 0.03   0.07 / 0.06  0.07 / 0.09  0.10 / 0.16  0.15 / 0.23
+Held to AVX2 (DEEPINFER_KERNEL_MARCH=haswell, ATen, MKL and oneDNN held to AVX2 too; bfloat16's
+BLAS product there is float32_products.py's, on a float32 copy of the weight):
+    float32  [2816, 1024] 1.19 / 0.37   1.14 / 0.53  1.38 / 0.94  1.81 / 1.69
+             [1024, 2816] 1.23 / 0.37   0.93 / 0.82  1.15 / 1.24  1.61 / 2.10
+    bfloat16 [2816, 1024] 0.67 / 0.19   1.51 / 0.53  1.62 / 0.97
+One row stays inductor's reduction (float32_products.py; inductor's mm decomposition), which fuses
+what computes the row and reads the weight as fast. Products the kernel does not take (a computed
+weight, such as fp8 decoded; shapes off its multiples of 8 rows and 32 inputs) are left as they are.
+"""
+
+import functools
+
+import torch
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+from torch._inductor.pattern_matcher import Arg, CallFunction, PatternMatcherPass, register_graph_pattern
+
+from deepinfer.runtime import int_matmul
+
+aten = torch.ops.aten
+# The most rows the kernel takes, by the vector ISA regions are compiled for (the tables above); the
+# kernels are built on the host that runs the region, which has at least that ISA.
+FEW_ROWS = {"avx512": {torch.float32: 32, torch.bfloat16: 16}, "avx2": {torch.float32: 16, torch.bfloat16: 16}}
+_VIEWS = {aten.permute.default, aten.t.default, aten.transpose.int, aten.view.default, aten.reshape.default,
+          aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
+
+patterns = PatternMatcherPass(pass_name="deepinfer_few_row_products")
+
+
+@functools.cache
+def few_rows() -> dict:
+    """{dtype: the most rows the kernel takes} for this host's vector ISA (none where not x86's)."""
+    return FEW_ROWS.get(str(pick_vec_isa()), {})
+
+
+def kernel_product(x, weight_t):
+    """x [M, K] @ weight_t [K, N], the transpose of a contiguous [N, K] weight, by the kernel."""
+    return torch.ops.deepinfer.float_matmul(x.float().contiguous(), weight_t.t(), None).squeeze(1).to(x.dtype)
+
+
+def kernel_product_batch_of_one(x, weight_t):
+    """The same for x [1, M, K] @ weight_t [1, K, N] (an einsum without batch dimensions)."""
+    return kernel_product(x[0], weight_t[0]).unsqueeze(0)
+
+
+def stored(node: torch.fx.Node) -> bool:
+    """Whether `node` is a region input seen through views only (a weight as stored)."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def applies(x: torch.fx.Node, weight_t: torch.fx.Node, batched: bool = False) -> bool:
+    xv, wv = x.meta.get("val"), weight_t.meta.get("val")
+    if xv is None or wv is None or xv.device.type != "cpu" or xv.dtype not in few_rows() or wv.dtype != xv.dtype:
+        return False
+    dims = 3 if batched else 2
+    if xv.dim() != dims or wv.dim() != dims or not all(isinstance(s, int) for s in (*xv.shape, *wv.shape)):
+        return False
+    if batched:
+        if xv.shape[0] != 1 or wv.shape[0] != 1:
+            return False
+        xv, wv = xv[0], wv[0]
+    K, N = wv.shape
+    return (2 <= xv.shape[0] <= few_rows()[xv.dtype] and tuple(wv.stride()) == (1, K) and int_matmul.takes_float(wv.t())
+            and stored(weight_t))
+
+
+@register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=patterns)
+def _mm(match, x, weight_t):
+    if applies(x, weight_t):
+        match.replace_by_example(kernel_product, [x, weight_t])
+
+
+@register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()), pass_dict=patterns)
+def _addmm(match, bias, x, weight_t):
+    if applies(x, weight_t):
+        match.replace_by_example(lambda bias, x, weight_t: kernel_product(x, weight_t) + bias, [bias, x, weight_t])
+
+
+@register_graph_pattern(CallFunction(aten.bmm, Arg(), Arg()), pass_dict=patterns)
+def _bmm(match, x, weight_t):
+    if applies(x, weight_t, batched=True):
+        match.replace_by_example(kernel_product_batch_of_one, [x, weight_t])

@@ -1,0 +1,51 @@
+"""The inductor backend's few-row pass: a product of 2 to FEW_ROWS rows with a stored float weight
+calls deepinfer's float kernel, with eager's result; one row, more rows, computed weights and
+shapes the kernel does not take stay as inductor makes them."""
+
+import pytest
+import torch
+import torch._inductor.config
+from torch._inductor.utils import run_and_get_code
+
+from deepinfer.compiler.backends import few_row_products, inductor
+
+
+def layer(x, w, bias):
+    # a linear, one with a bias, and an einsum without batch dimensions (a batch-of-one bmm)
+    return torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w, bias), torch.einsum("nd,fd->nf", x, w)
+
+
+def compiled_code(fn, *args):
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes(),
+                                      post_grad_fusion_options=inductor.DEFAULTS["post_grad_fusion_options"]):
+        results, (code, *_) = run_and_get_code(torch.compile(fn, dynamic=False, backend="inductor"), *args)
+    return results, code
+
+
+@pytest.mark.skipif(not few_row_products.few_rows(), reason="the kernel is taken on x86 hosts (AVX2, AVX-512)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_of_a_stored_weight_call_the_kernel_with_eagers_result(dtype):
+    torch.manual_seed(0)
+    w, bias = torch.randn(256, 96).to(dtype), torch.randn(256).to(dtype)
+    most = few_row_products.few_rows()[dtype]
+    for rows, calls in ((1, 0), (8, 3), (most, 3), (most + 1, 0)):
+        x = torch.randn(rows, 96).to(dtype)
+        results, code = compiled_code(layer, x, w, bias)
+        for got, expected in zip(results, layer(x, w, bias)):
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+        assert code.count("torch.ops.deepinfer.float_matmul.default(") == calls, (rows, code)
+
+
+def computed_weight(x, w):
+    return torch.nn.functional.linear(x, w * 2)
+
+
+def test_computed_weights_and_other_shapes_stay_blas():
+    torch.manual_seed(0)
+    x = torch.randn(8, 96)
+    _, code = compiled_code(computed_weight, x, torch.randn(256, 96))
+    assert "float_matmul" not in code and "extern_kernels.bmm(" in code  # (blocked_matmul's)
+    _, code = compiled_code(layer, torch.randn(8, 80), torch.randn(256, 80), torch.randn(256))  # inputs not of 32
+    assert "float_matmul" not in code

@@ -42,8 +42,10 @@ patterns = PatternMatcherPass(pass_name="deepinfer_few_row_products")
 
 @functools.cache
 def few_rows() -> dict:
-    """{dtype: the most rows the kernel takes} for this host's vector ISA (none where not x86's)."""
-    return FEW_ROWS.get(str(pick_vec_isa()), {})
+    """{dtype: the most rows the kernel takes} for this host's vector ISA ("avx512 avx512_vnni": its
+    first word; none where not x86's)."""
+    isa = str(pick_vec_isa()).split()
+    return FEW_ROWS.get(isa[0] if isa else "", {})
 
 
 def kernel_product(x, weight_t):

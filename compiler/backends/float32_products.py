@@ -8,8 +8,8 @@ at a time where its copy would pass PIECE_BYTES. Emulated, every bf16 GEMM runs 
 in float32 (held to AVX2: a 256x2048 @ 2048x2048 linear 68.6 ms bf16, 7.7 ms f32); the copies
 cost ~3% of the f32 GEMM at 256 rows.
 
-`reduction_patterns`, on every CPU: a one-row product (decode; MLA's per-head absorbed einsums) is
-a multiply-reduce, which inductor compiles to one kernel reading the bf16 weight as stored, two
+`reduction_patterns`, on every CPU: a one-row product (decode; MLA's per-head absorbed einsums;
+those with a stored weight are few_row_products.py's, which runs first) is a multiply-reduce, which inductor compiles to one kernel reading the bf16 weight as stored, two
 bytes an element, with the row converted to float32 once into a buffer of its own. (inductor's
 own mm decomposition makes the same reduction, but inlines what computes the row -- a norm, its
 rounding to bf16 -- into it, to run again for every weight row.) So is a product of up to

@@ -9,9 +9,10 @@ Kernels are compiled for the vector ISA of the compiling host (`vector_isa`: ATE
 holds it lower, e.g. to avx2), recorded in the toolchain, which the runtime checks against its
 host. Where that ISA has no native bfloat16 math, a bf16 model's matrix products are computed in
 float32 from its bf16 operands (graph passes float32_products.py; one-row products on every host);
-what is stored stays bf16. Weights kept fp8 are decoded by integer ops inductor vectorizes
-(fp8_decode.py); int8 and int4 weights are multiplied by deepinfer's own kernels
-(runtime/int_matmul.py), which the compiled code calls."""
+what is stored stays bf16. Products of a few rows with a stored float weight call deepinfer's
+few-row kernel (few_row_products.py), which reads bf16 as stored on every host. Weights kept fp8
+are decoded by integer ops inductor vectorizes (fp8_decode.py); int8 and int4 weights are
+multiplied by deepinfer's own kernels (runtime/int_matmul.py), which the compiled code calls."""
 
 import fcntl
 import hashlib
@@ -31,14 +32,14 @@ from deepinfer.compiler.backends import blocked_matmul, few_row_products, float3
 EXTENSION = "aoti.pt2"
 INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_matmul.py) run in its regions
 
-# A decode step of ONE row multiplies it by each weight: a memory-bound GEMV, which inductor's mm
-# decomposition pass turns into a fused multiply-reduce kernel (bench/decode_bench.py measures it
-# at batch 1). From 2 rows on that kernel re-reads the weight per row and loses to the BLAS call
-# (bench/mm_decomposition_bench.py: 2 rows 2x, 8 rows 3.8x slower), so batched decode and short
-# prompt chunks call deepinfer's few-row kernel on stored float weights (graph passes:
-# few_row_products.py), longer chunks BLAS (cut into weight blocks at 4-8 rows where the kernel does
-# not apply: blocked_matmul.py). The routed experts' products with gathered weights are reductions
-# at any row count (gathered_matvec.py).
+# A decode step and a short prompt chunk multiply a few rows by each stored weight: memory-bound
+# products that deepinfer's few-row kernel computes (graph passes: few_row_products.py). Other
+# one-row products (a computed weight, a head's matrix) become fused multiply-reduce kernels by
+# inductor's mm decomposition pass, enabled here for one row: from 2 rows on such a kernel re-reads
+# the matrix per row and loses to the BLAS call (bench/mm_decomposition_bench.py: 2 rows 2x, 8
+# rows 3.8x slower). Longer chunks are BLAS calls (cut into weight blocks at 4-8 rows where the
+# kernel does not apply: blocked_matmul.py). The routed experts' products with gathered weights
+# are reductions at any row count (gathered_matvec.py).
 DEFAULTS = {
     "post_grad_fusion_options": {
         "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 1, "cpu_max_other_dimension_decomposition": 1 << 30},
@@ -98,8 +99,8 @@ class GraphPasses(CustomGraphPass):
         self.bf16_products_in_float32 = bf16_products_in_float32  # (inductor deep-copies the pass: plain data)
 
     def __call__(self, graph: torch.fx.Graph):
+        few_row_products.patterns.apply(graph)  # (first: the kernel reads bf16 as stored, one row or more)
         float32_products.reduction_patterns.apply(graph)
-        few_row_products.patterns.apply(graph)  # (before the float32 copies: the kernel reads bf16 as stored)
         if self.bf16_products_in_float32:
             float32_products.chunk_patterns.apply(graph)
         blocked_matmul.patterns.apply(graph)

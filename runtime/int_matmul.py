@@ -34,11 +34,12 @@ by `int4_values` (in inductor's loops, decoding a layout whose nibbles land apar
 bfloat16). int8's kernel is faster than that at every prompt size measured (up to 512 rows).
 
 float_matmul shares their driver (runs of rows sharing an expert, tiles of 8 weight rows) for float
-weights as stored, for a few rows: dot products of 4 weight rows (1 for one or two activation
-rows) x up to 4 activation rows in float32 (bfloat16 weights: x rounded to bfloat16, AVX512_BF16's
-dot products where the CPU has them), each weight row's next rows prefetched. A prompt chunk's
-float experts of few rows take it (runtime/grouped_matmul.py): oneDNN's GEMM costs a fixed ~4 ms
-per 84 MB of experts at any row count.
+weights as stored, for a few rows: dot products of up to 4 weight rows x up to 8 activation rows in
+float32 (bfloat16 weights: x rounded to bfloat16, AVX512_BF16's dot products where the CPU has
+them; AVX2 widens both), each weight row's stream prefetched into L2 four passes ahead. A prompt
+chunk's float experts of few rows take it (runtime/grouped_matmul.py), and so do the regions'
+linears of up to 16-32 rows (compiler/backends/few_row_products.py): BLAS GEMMs of a few rows read
+the weights at half the memory's rate or less.
 
 The kernels (int_matmul.cpp) are compiled on the host that runs them, for its CPU (-march=native),
 once per source, torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels,

@@ -9,16 +9,18 @@ in float32 (held to AVX2: a 256x2048 @ 2048x2048 linear 68.6 ms bf16, 7.7 ms f32
 cost ~3% of the f32 GEMM at 256 rows.
 
 `reduction_patterns`, on every CPU: a one-row product (decode; MLA's per-head absorbed einsums;
-those with a stored weight are few_row_products.py's, which runs first) is a multiply-reduce, which inductor compiles to one kernel reading the bf16 weight as stored, two
-bytes an element, with the row converted to float32 once into a buffer of its own. (inductor's
+those with a stored weight are few_row_products.py's, which runs first) is a multiply-reduce,
+which inductor compiles to one kernel reading the bf16 weight as stored, two bytes an element, with the row converted to float32 once into a buffer of its own. (inductor's
 own mm decomposition makes the same reduction, but inlines what computes the row -- a norm, its
 rounding to bf16 -- into it, to run again for every weight row.) So is a product of up to
-FEW_ROWS rows over a matrix of at most FEW_ROWS_MATRIX_BYTES (a decode step's few heads over a
-short KV cache): read once a row, the matrix stays in the core's cache, and the reduction spares
-the BLAS call's packing (native bf16) or float32 copy (AVX2). On an AMD EPYC (Zen 4), 4 heads over
-a 512-position cache: 14-20 us a product as a reduction, 33-73 us as a bf16 GEMM, 26-69 us in
-float32; at 4 rows and a 1 MiB matrix the reduction lost (162 against 70 us); ~12M model's
-bf16/f32 TPOT 1.03 -> 0.70 (native bf16), 0.82 -> 0.70 (held to AVX2).
+FEW_ROWS rows whose reads, the matrix once a row, stay within FEW_ROWS_READ_BYTES (a decode step's
+heads over a short KV cache): the matrix stays in the core's cache, and the reduction spares the
+BLAS call's fixed cost (~25 us for a bf16 GEMM of any small size here) and packing (native bf16)
+or float32 copy (AVX2). On an AMD EPYC (Zen 4), 4 heads over a 512-position cache: 14-20 us a
+product as a reduction, 33-73 us as a bf16 GEMM, 26-69 us in float32; at 4 rows and a 1 MiB
+matrix the reduction lost (162 against 70 us); ~12M model's bf16/f32 TPOT 1.03 -> 0.70 (native
+bf16), 0.82 -> 0.70 (held to AVX2). The 190M's 8 heads over its latent cache (MLA: one matrix for
+all heads) were 3 GEMMs a layer, ~0.5 ms of a 5-6 ms bf16 decode step (profiled) at 4 rows at most.
 
 Element-wise ops, norms and softmax need nothing: inductor computes them in float32 registers
 from bf16 loads.
@@ -43,7 +45,7 @@ def _rows(match) -> int:
     return match.args[-2].meta["val"].shape[-2]  # (the row operand is the one before the matrix)
 
 
-FEW_ROWS, FEW_ROWS_MATRIX_BYTES = 4, 512 << 10  # reductions up to these (bf16 bytes); past them BLAS
+FEW_ROWS, FEW_ROWS_READ_BYTES = 16, 2 << 20  # reductions up to these (rows x the bf16 matrix's bytes); past them BLAS
 
 
 def _as_reduction(match) -> bool:
@@ -51,7 +53,7 @@ def _as_reduction(match) -> bool:
     reduction reads it once a row (the heads' products over a short KV cache)."""
     matrix = match.args[-1].meta["val"]
     rows = _rows(match)
-    return rows == 1 or (rows <= FEW_ROWS and matrix.shape[-2] * matrix.shape[-1] * matrix.element_size() <= FEW_ROWS_MATRIX_BYTES)
+    return rows == 1 or (rows <= FEW_ROWS and rows * matrix.shape[-2] * matrix.shape[-1] * matrix.element_size() <= FEW_ROWS_READ_BYTES)
 
 
 # At most this much float32 copy of a matrix at a time (product). 8 MiB rather than 4: pieces of

@@ -59,7 +59,7 @@ def test_with_native_bf16_chunk_products_stay_bf16():
 
 def big_products(xs, w_experts, rows, w_rows, bias, probs, cache):
     # grouped experts (MoE prompt chunks: each expert's rows times its weight), a linear with a
-    # bias, and a decode step's 8 heads summing a long cache (inner dimension 640)
+    # bias, and a decode step's 24 heads summing a long cache (inner dimension 640); rows past FEW_ROWS
     return (torch.einsum("ecd,efd->ecf", xs, w_experts), F.linear(rows, w_rows, bias),
             torch.einsum("bht,btr->bhr", probs, cache))
 
@@ -70,7 +70,7 @@ def test_big_matrices_are_copied_to_float32_a_piece_at_a_time(monkeypatch):
     piece's copy made before its BLAS call: the same products as one call."""
     monkeypatch.setattr(float32_products, "PIECE_BYTES", 2 * 128 * 96 * 4)  # two experts; 256 columns; 512 inner
     torch.manual_seed(0)
-    shapes = ((6, 8, 96), (6, 128, 96), (24, 96), (320, 96), (320,), (1, 8, 640), (1, 640, 48))
+    shapes = ((6, 24, 96), (6, 128, 96), (24, 96), (320, 96), (320,), (1, 24, 640), (1, 640, 48))
     args = tuple(torch.randn(shape).to(BF16) for shape in shapes)
     torch._dynamo.reset()
     with torch._inductor.config.patch(post_grad_custom_pre_pass=inductor.graph_passes(True)):

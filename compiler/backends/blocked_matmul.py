@@ -34,19 +34,26 @@ def blocked_batch_of_one(x, weight_t):
     return blocked(x[0], weight_t[0]).unsqueeze(0)
 
 
-def applies(x: torch.fx.Node, weight_t: torch.fx.Node, batched: bool = False) -> bool:
+def weight_product(x: torch.fx.Node, weight_t: torch.fx.Node, batched: bool = False):
+    """(x, weight_t)'s values as [M, K] and [K, N] for a CPU product of static shape whose matrix is
+    the transpose of a contiguous [N, K] weight (`batched`: a bmm of a batch of one); else None.
+    (few_row_products.py asks it too.)"""
     x, w = x.meta.get("val"), weight_t.meta.get("val")
     if x is None or w is None or x.device.type != "cpu" or w.device.type != "cpu":
-        return False
+        return None
     dims = 3 if batched else 2
     if x.dim() != dims or w.dim() != dims or not all(isinstance(s, int) for s in (*x.shape, *w.shape)):
-        return False
+        return None
     if batched:
-        if x.shape[0] != 1:
-            return False
+        if x.shape[0] != 1 or w.shape[0] != 1:
+            return None
         x, w = x[0], w[0]
-    K, N = w.shape
-    return x.shape[0] in ROWS and N % BLOCK == 0 and tuple(w.stride()) == (1, K)
+    return (x, w) if tuple(w.stride()) == (1, w.shape[0]) else None
+
+
+def applies(x: torch.fx.Node, weight_t: torch.fx.Node, batched: bool = False) -> bool:
+    values = weight_product(x, weight_t, batched)
+    return values is not None and values[0].shape[0] in ROWS and values[1].shape[1] % BLOCK == 0
 
 
 @register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=patterns)

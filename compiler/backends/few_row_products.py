@@ -32,6 +32,7 @@ import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch._inductor.pattern_matcher import Arg, CallFunction, PatternMatcherPass, register_graph_pattern
 
+from deepinfer.compiler.backends import blocked_matmul
 from deepinfer.runtime import int_matmul
 
 aten = torch.ops.aten
@@ -70,19 +71,12 @@ def stored(node: torch.fx.Node) -> bool:
 
 
 def applies(x: torch.fx.Node, weight_t: torch.fx.Node, batched: bool = False) -> bool:
-    xv, wv = x.meta.get("val"), weight_t.meta.get("val")
-    if xv is None or wv is None or xv.device.type != "cpu" or xv.dtype not in few_rows() or wv.dtype != xv.dtype:
+    values = blocked_matmul.weight_product(x, weight_t, batched)
+    if values is None:
         return False
-    dims = 3 if batched else 2
-    if xv.dim() != dims or wv.dim() != dims or not all(isinstance(s, int) for s in (*xv.shape, *wv.shape)):
-        return False
-    if batched:
-        if xv.shape[0] != 1 or wv.shape[0] != 1:
-            return False
-        xv, wv = xv[0], wv[0]
-    K, N = wv.shape
-    return (1 <= xv.shape[0] <= few_rows()[xv.dtype] and tuple(wv.stride()) == (1, K) and int_matmul.takes_float(wv.t())
-            and stored(weight_t))
+    xv, wv = values
+    return (xv.dtype in few_rows() and wv.dtype == xv.dtype and 1 <= xv.shape[0] <= few_rows()[xv.dtype]
+            and int_matmul.takes_float(wv.t()) and stored(weight_t))
 
 
 @register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=patterns)

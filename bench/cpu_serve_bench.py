@@ -39,7 +39,7 @@ def llama_server(llama: LlamaCpp, gguf: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     # (--no-jinja: completions only, and its template parser fails on the tiny tokenizer's chat template)
     server = subprocess.Popen([str(llama.bin / "llama-server"), "-m", str(gguf), "-t", "2", "-np", "4", "-c", "2048",
-                               "--no-jinja", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               "--no-jinja", "--port", str(port), *([] if llama.repacks(gguf) else ["--no-repack"])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return server, f"http://127.0.0.1:{port}"
 
 

@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python, whose vendored llama.cpp the issue's probe measured
@@ -36,6 +36,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 class LlamaCpp:
     source: Path  # the vendored llama.cpp tree
     bin: Path
+    packing: dict = field(default_factory=dict)  # GGUF -> whether it runs repacked (`repacks`)
 
     @classmethod
     def build(cls, directory: Path) -> "LlamaCpp":
@@ -72,10 +73,26 @@ class LlamaCpp:
         """llama-bench on 2 threads: ms a generated token after `depth` tokens of context (tokens > 0),
         or ms to process a `prompt`-token prompt (its time to first token, sampling aside)."""
         run = _run([str(self.bin / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", str(prompt), "-n", str(tokens),
-                    "-d", str(depth), "-r", str(repetitions), "-o", "json"])
+                    "-d", str(depth), "-r", str(repetitions), "-o", "json", "--repack", str(int(self.repacks(gguf)))])
         (result,) = json.loads(run.stdout)
         return result["avg_ns"] / 1e6 / (tokens or 1)
 
+
+    def repacks(self, gguf: Path) -> bool:
+        """Whether llama.cpp runs `gguf` with its weights repacked, its default (the layouts of its
+        fastest CPU kernels; AMX's on Xeons that have it). On a Xeon with AMX, 0.3.36's AMX layout
+        of q8_0 fails an assert in every run (ggml-backend.cpp:1294, `*cur_backend_id != -1`):
+        such a model is run unpacked, and said so once."""
+        if gguf not in self.packing:
+            probe = subprocess.run([str(self.bin / "llama-bench"), "-m", str(gguf), "-t", "2", "-p", "0", "-n", "1", "-r", "1"],
+                                   capture_output=True, text=True)
+            if probe.returncode and "cur_backend_id" not in probe.stderr:
+                raise RuntimeError(f"llama-bench on {gguf} failed ({probe.returncode}):\n{probe.stderr[-3000:]}")
+            self.packing[gguf] = probe.returncode == 0
+            if probe.returncode:
+                print(f"  llama.cpp: {gguf.name} fails repacked on this CPU (its AMX layout: ggml-backend.cpp "
+                      f"`*cur_backend_id != -1`); run unpacked (--repack 0)", flush=True)
+        return self.packing[gguf]
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     run = subprocess.run(command, capture_output=True, text=True)

@@ -8,7 +8,9 @@ pass (inductor.DEFAULTS turn it on for one-row decode), which makes the matrix a
 a gathered matrix, a copy of the k experts' weights, read, written and read again. The MoE decode
 region read its weights at 0.59x the dense layers' rate (bench/decode_bench.py's per-region
 table); rewritten here first, inductor loads the weights through the ids inside the reducing
-kernel, and experts kept fp8 or fp4 are decoded there rather than into a float32 copy.
+kernel, and experts kept fp8 or fp4 are decoded there rather than into a float32 copy. (Stored
+float experts, gathered as they are, go to deepinfer's few-row kernel by id first:
+few_row_products.py.)
 """
 
 import torch

@@ -69,6 +69,14 @@ BLOCK = 32  # activation columns sharing an int8 scale
 # 2.30; [1280, 1024]: 16 rows 0.15 / 0.27, 32 0.32 / 0.37, 48 0.43 / 0.48, 64 0.59 / 0.56, 128
 # 1.13 / 0.95). int8's kernel: 128 rows 0.78 / 0.91, 512 3.38 / 3.60 ([1280, 1024]).
 DECODED_FROM_ROWS = 64
+# The most rows the float kernel takes of a bfloat16 weight on a CPU with AMX, whose tiles make
+# oneDNN's bf16 GEMM faster from ~9 rows (an Intel Xeon with AMX, 2 threads, weights streamed
+# from memory, us, oneDNN / the kernel: [1280, 1024] 4 rows 180 / 125, 8 182 / 167, 10 175 / 202,
+# 16 169 / 256; [2816, 1024] 8 333 / 332, 16 318 / 526; 16 experts [1280, 1024] of 8 rows each
+# 3190 / 2460, 10 3230 / 3120, 16 3340 / 4040). Without AMX the kernel keeps up to 16-48 rows
+# (compiler/backends/few_row_products.py, runtime/grouped_matmul.py).
+AMX_BF16_MOST_ROWS = 8
+AMX = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()  # (this host's, for the runtime's choices)
 SOURCE = Path(__file__).with_name("int_matmul.cpp")
 log = logging.getLogger(__name__)
 

@@ -55,10 +55,14 @@ patterns = PatternMatcherPass(pass_name="deepinfer_few_row_products")
 
 @functools.cache
 def few_rows() -> dict:
-    """{dtype: the most rows the kernel takes} for this host's vector ISA ("avx512 avx512_vnni": its
-    first word; none where not x86's)."""
+    """{dtype: the most rows the kernel takes} for this host's vector ISA ("avx512 avx512_vnni
+    amx_tile": its first word, and bfloat16 held to int_matmul.AMX_BF16_MOST_ROWS with AMX; none
+    where not x86's)."""
     isa = str(pick_vec_isa()).split()
-    return FEW_ROWS.get(isa[0] if isa else "", {})
+    rows = dict(FEW_ROWS.get(isa[0] if isa else "", {}))
+    if "amx_tile" in isa:
+        rows[torch.bfloat16] = int_matmul.AMX_BF16_MOST_ROWS
+    return rows
 
 
 def kernel_product(x, weight_t):

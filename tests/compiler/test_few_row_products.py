@@ -29,13 +29,14 @@ def compiled_code(fn, *args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_rows_of_a_stored_weight_call_the_kernel_with_eagers_result(dtype):
     torch.manual_seed(0)
-    w, bias = torch.randn(256, 96).to(dtype), torch.randn(256).to(dtype)
     most = few_row_products.few_rows()[dtype]
-    for rows, calls in ((1, 3), (8, 3), (most, 3), (most + 1, 0)):
-        x = torch.randn(rows, 96).to(dtype)
+    # (one row of a weight of fewer than ONE_ROW_FROM_WORK elements stays inductor's reduction)
+    for features, rows, calls in ((1024, 1, 3), (256, 1, 0), (256, 8, 3), (256, most, 3), (256, most + 1, 0)):
+        w, bias = torch.randn(features, 256).to(dtype), torch.randn(features).to(dtype)
+        x = torch.randn(rows, 256).to(dtype)
         results, code = compiled_code(layer, x, w, bias)
         for got, expected in zip(results, layer(x, w, bias)):
-            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
         assert code.count("torch.ops.deepinfer.float_matmul.default(") == calls, (rows, code)
 

@@ -38,8 +38,12 @@ from . import int_matmul
 # EPYC, ms with every expert oneDNN's / this split: float32 8 tokens (~2 rows an expert) 3.8 / 1.8,
 # 32 (~8) 5.6 / 3.9, 64 (~16) 7.7 / 5.8, 128 (~32) 10.2 / 10.2-10.9 (the kernel for all: 10.9);
 # bfloat16 8 tokens 2.5 / 1.1, 32 3.4 / 1.6, 64 4.9 / 2.8, 128 6.8 / 5.4, 256 (~64) 10.2 / 10.1.
-# (On a CPU with AMX, bfloat16 experts are GEMMs from int_matmul.AMX_BF16_MOST_ROWS + 1 rows.)
 FLOAT_GEMM_FROM_ROWS = {torch.float32: 24, torch.bfloat16: 48}
+# On a CPU with AMX, bfloat16 experts of at least this many elements are GEMMs from
+# int_matmul.AMX_BF16_MOST_ROWS + 1 rows. A smaller expert's GEMM costs mostly oneDNN's fixed ~20
+# us a call, which the kernel, taking all the experts of few rows in one call, does not pay per
+# expert (the tiny V3's 32-token prompt, experts [256, 192]: 3.92 ms with them GEMMs, 3.22 without).
+AMX_GEMM_FROM_ELEMENTS = 1 << 19
 ONEDNN = torch.backends.mkldnn.is_available()  # (asked once: the float kernel runs per expert per step)
 # oneDNN's bf16 GEMM needs AVX-512 (or native bf16); elsewhere ATen emulates bf16 GEMMs ~9x slower
 # than float32's (compiler/backends/float32_products.py), and the kernel, widening bf16 to float32,
@@ -53,7 +57,7 @@ def gemm_from_rows(w: torch.Tensor) -> int:
         return 0
     if w.dtype == torch.bfloat16 and not ONEDNN_BF16:
         return 1 << 62  # (never)
-    if w.dtype == torch.bfloat16 and int_matmul.AMX:
+    if w.dtype == torch.bfloat16 and int_matmul.AMX and w[0].numel() >= AMX_GEMM_FROM_ELEMENTS:
         return int_matmul.AMX_BF16_MOST_ROWS + 1
     return FLOAT_GEMM_FROM_ROWS[w.dtype]
 

@@ -94,7 +94,7 @@ PASSES = (float32_products, few_row_products, blocked_matmul, gathered_matvec, f
 
 class GraphPasses(CustomGraphPass):
     """deepinfer's own passes over inductor's post-grad graph (inductor runs them first); bf16
-    chunk products in float32 only for a host without native bf16 math."""
+    chunk products in float32 for a host without native bf16 math, small ones only elsewhere."""
 
     def __init__(self, bf16_products_in_float32: bool):
         self.bf16_products_in_float32 = bf16_products_in_float32  # (inductor deep-copies the pass: plain data)
@@ -104,6 +104,8 @@ class GraphPasses(CustomGraphPass):
         float32_products.reduction_patterns.apply(graph)
         if self.bf16_products_in_float32:
             float32_products.chunk_patterns.apply(graph)
+        else:
+            float32_products.small_chunk_patterns.apply(graph)
         blocked_matmul.patterns.apply(graph)
         gathered_matvec.patterns.apply(graph)
         fp8_decode.patterns.apply(graph)  # last: the passes above follow fp8 converts

@@ -1,7 +1,7 @@
 """The inductor backend's float32-products passes: a bf16 matrix product is computed in float32
 from its bf16 operands and rounded to bf16 once -- a one-row product as a reduction that reads the
 bf16 weight as stored (every host), a chunk's as a BLAS call on float32 copies (hosts without
-native bf16 math)."""
+native bf16 math; with it, chunks over small matrices)."""
 
 import torch
 import torch._inductor.config
@@ -49,12 +49,18 @@ def test_bf16_products_are_computed_in_float32():
         assert f"empty_strided_cpu({weight}" not in code, code
 
 
-def test_with_native_bf16_chunk_products_stay_bf16():
-    """A host with native bf16 math multiplies a chunk's bf16 operands as they are."""
+def test_with_native_bf16_chunk_products_stay_bf16_but_small_ones():
+    """A host with native bf16 math multiplies a chunk's bf16 operands as they are, but for a small
+    matrix (SMALL_MATRIX elements): BLAS on float32 copies, as without (oneDNN's fixed cost)."""
     torch.manual_seed(0)
-    args = tuple(torch.randn(shape).to(BF16) for shape in SHAPES)
+    big = (SHAPES[0], SHAPES[1], SHAPES[2], (float32_products.SMALL_MATRIX // 96 + 8, 96), *SHAPES[4:])
+    args = tuple(torch.randn(shape).to(BF16) for shape in big)
     _, (code, *_) = compiled(False, *args)
-    assert "extern_kernels.mm(arg2_1, reinterpret_tensor(arg3_1, (96, 256)" in code, code  # the bf16 operands themselves
+    assert f"extern_kernels.mm(arg2_1, reinterpret_tensor(arg3_1, (96, {big[3][0]})" in code, code  # the bf16 operands themselves
+    args = tuple(torch.randn(shape).to(BF16) for shape in SHAPES)
+    results, (code, *_) = compiled(False, *args)
+    torch.testing.assert_close(results[1], in_float32(*args)[1], atol=0, rtol=2 ** -7)
+    assert code.count("extern_kernels.mm(") == 1 and "empty_strided_cpu((256, 96), (96, 1), torch.float32)" in code, code
 
 
 def big_products(xs, w_experts, rows, w_rows, bias, probs, cache):

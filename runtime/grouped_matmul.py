@@ -57,7 +57,7 @@ def gemm_from_rows(w: torch.Tensor) -> int:
         return 0
     if w.dtype == torch.bfloat16 and not ONEDNN_BF16:
         return 1 << 62  # (never)
-    if w.dtype == torch.bfloat16 and int_matmul.AMX and w[0].numel() >= AMX_GEMM_FROM_ELEMENTS:
+    if w.dtype == torch.bfloat16 and int_matmul.AMX and w.shape[-2] * w.shape[-1] >= AMX_GEMM_FROM_ELEMENTS:
         return int_matmul.AMX_BF16_MOST_ROWS + 1
     return FLOAT_GEMM_FROM_ROWS[w.dtype]
 

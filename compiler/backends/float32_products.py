@@ -177,11 +177,8 @@ def _register(op, arity: int):
             match.replace_by_example(reduced, [float32_row(x), matrix])
 
     @register_graph_pattern(pattern, pass_dict=chunk_patterns, extra_check=lambda m: _bf16(*m.args) and not _as_reduction(m))
-    def _chunk(match, *args):
-        match.replace_by_example(product(op, *pieces(args[-1].meta["val"])), list(args))
-
     @register_graph_pattern(pattern, pass_dict=small_chunk_patterns, extra_check=lambda m: _bf16(*m.args) and not _as_reduction(m) and _small(m))
-    def _small_chunk(match, *args):
+    def _chunk(match, *args):
         match.replace_by_example(product(op, *pieces(args[-1].meta["val"])), list(args))
 
 

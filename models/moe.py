@@ -52,8 +52,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import deepinfer.runtime.grouped_matmul  # noqa: F401  (registers torch.ops.deepinfer.grouped_*)
-from deepinfer.runtime import int_matmul
+from deepinfer.runtime import grouped_matmul, int_matmul  # (registers torch.ops.deepinfer.grouped_*)
 
 from .int_weights import IntExperts
 
@@ -180,7 +179,7 @@ def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):
     counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add(0, expert, torch.ones_like(expert))
     ends = counts[:E].cumsum(0).to(torch.int32)  # [E]: where each expert's rows end
     xs = x.index_select(0, order // k)  # [P, D]
-    by_expert = expert.index_select(0, order) if isinstance(w_gate_up, IntExperts) else None  # [P]: each sorted row's expert
+    by_expert = expert.index_select(0, order)  # [P]: each sorted row's expert (for the kernel in the graph)
     gate, up = grouped_product(xs, w_gate_up, ends, by_expert, N).chunk(2, dim=-1)  # [P, I] each
     y = grouped_product(activation(gate, up), w_down, ends, by_expert, N)  # [P, D], zeros past ends[-1]
     back = torch.empty_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))
@@ -190,15 +189,17 @@ def exact(x, weights, local_ids, owned, w_gate_up, w_down, activation):
 def grouped_product(x, w, ends, experts, tokens: int):
     """x [P, D] (rows sorted by expert: `experts` [P] each row's, E for none here; `ends` [E]
     where each expert's rows end; `tokens` the chunk's) times its expert's weight from w as
-    models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype. Int experts none of
-    which takes a GEMM (int8's never do; int4's from int_matmul.DECODED_FROM_ROWS rows, more than
-    a chunk of fewer tokens gives one: a token picks an expert once) are one kernel call in the
-    graph, not the grouped op (whose host-side setup took 0.8 of a 32-token int4 prompt's ~17
-    ms, profiled)."""
+    models/int_weights.py gives them (see `product`) -> [P, F] in x's dtype. Experts none of which
+    takes a GEMM (int8's never do; int4's from int_matmul.DECODED_FROM_ROWS rows, float ones from
+    grouped_matmul.gemm_from_rows(w): more than a chunk of fewer tokens gives one, as a token picks
+    an expert once) are one kernel call in the graph, not the grouped op (whose host-side setup took
+    0.8 of a 32-token int4 prompt's ~17 ms, and half the trained tiny V3's float32 one, profiled)."""
     if isinstance(w, IntExperts):
         if tokens < int_matmul.DECODED_FROM_ROWS or not int_matmul.is_int4(w.codes):
             return int_matmul.matmul(x, w.codes, w.scales, experts[:, None]).squeeze(1).to(x.dtype)
         return torch.ops.deepinfer.grouped_int4_matmul(x, w.codes, w.scales, ends)
+    if tokens < grouped_matmul.gemm_from_rows(w):
+        return torch.ops.deepinfer.float_matmul(x.float(), w, experts[:, None]).squeeze(1).to(x.dtype)
     return torch.ops.deepinfer.grouped_matmul(x.to(w.dtype), w, ends).to(x.dtype)
 
 

@@ -39,11 +39,16 @@ from . import int_matmul
 # 32 (~8) 5.6 / 3.9, 64 (~16) 7.7 / 5.8, 128 (~32) 10.2 / 10.2-10.9 (the kernel for all: 10.9);
 # bfloat16 8 tokens 2.5 / 1.1, 32 3.4 / 1.6, 64 4.9 / 2.8, 128 6.8 / 5.4, 256 (~64) 10.2 / 10.1.
 FLOAT_GEMM_FROM_ROWS = {torch.float32: 24, torch.bfloat16: 48}
-# On a CPU with AMX, bfloat16 experts of at least this many elements are GEMMs from
-# int_matmul.AMX_BF16_MOST_ROWS + 1 rows. A smaller expert's GEMM costs mostly oneDNN's fixed ~20
-# us a call, which the kernel, taking all the experts of few rows in one call, does not pay per
-# expert (the tiny V3's 32-token prompt, experts [256, 192]: 3.92 ms with them GEMMs, 3.22 without).
-AMX_GEMM_FROM_ELEMENTS = 1 << 19
+# An expert of fewer elements than this is small: its GEMM costs mostly oneDNN's fixed ~20 us a
+# call, which the kernel, taking all the experts of few rows in one call, does not pay per expert.
+# On a CPU with AMX, bfloat16 experts from this size are GEMMs from int_matmul.AMX_BF16_MOST_ROWS +
+# 1 rows, smaller ones from FLOAT_GEMM_FROM_ROWS (the tiny V3's 32-token prompt, experts [256, 192]:
+# 3.92 ms with them GEMMs from 9 rows, 3.22 without). Small float32 experts are GEMMs from
+# SMALL_FLOAT32_GEMM_FROM_ROWS (an Intel Xeon, 2 threads, one expert's rows, us, kernel / oneDNN:
+# [256, 192] 32 rows 21 / 31, 64 rows 40 / 46; [192, 128] 64 rows 24 / 30; [1280, 1024] 32 rows
+# 466 / 497, 48 rows 669 / 619).
+SMALL_EXPERT_ELEMENTS = 1 << 19
+SMALL_FLOAT32_GEMM_FROM_ROWS = 64
 ONEDNN = torch.backends.mkldnn.is_available()  # (asked once: the float kernel runs per expert per step)
 # oneDNN's bf16 GEMM needs AVX-512 (or native bf16); elsewhere ATen emulates bf16 GEMMs ~9x slower
 # than float32's (compiler/backends/float32_products.py), and the kernel, widening bf16 to float32,
@@ -57,8 +62,11 @@ def gemm_from_rows(w: torch.Tensor) -> int:
         return 0
     if w.dtype == torch.bfloat16 and not ONEDNN_BF16:
         return 1 << 62  # (never)
-    if w.dtype == torch.bfloat16 and int_matmul.AMX and w.shape[-2] * w.shape[-1] >= AMX_GEMM_FROM_ELEMENTS:
+    small = w.shape[-2] * w.shape[-1] < SMALL_EXPERT_ELEMENTS
+    if w.dtype == torch.bfloat16 and int_matmul.AMX and not small:
         return int_matmul.AMX_BF16_MOST_ROWS + 1
+    if w.dtype == torch.float32 and small:
+        return SMALL_FLOAT32_GEMM_FROM_ROWS
     return FLOAT_GEMM_FROM_ROWS[w.dtype]
 
 

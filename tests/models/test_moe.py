@@ -6,12 +6,14 @@ every other compiled bundle's prompts take the exact form."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer.models import TINY_CONFIG, build_model
 from deepinfer.models.moe import dense, expert_places, grouped_passes, routed_experts
 from deepinfer.models.parallel import Layout, moe_buffers
 from deepinfer.models.deepseek_v3 import swiglu
 from deepinfer.models.quantization import expert_weights
+from deepinfer.runtime.grouped_matmul import gemm_from_rows
 from deepinfer.runtime.int_matmul import DECODED_FROM_ROWS
 
 CONFIG = {**TINY_CONFIG, "n_routed_experts": 16, "n_group": 4, "topk_group": 4, "num_experts_per_tok": 4}
@@ -77,6 +79,33 @@ def test_ranks_owning_part_of_the_experts_sum_to_one_rank(moe, overflow, capacit
         parts = [forms(moe, x, capacity, (rank, 4), overflow)[0] for rank in range(4)]
         forms(moe, x, capacity, (0, 1))  # (restore the one-rank buffers for the other tests)
     torch.testing.assert_close(sum(parts), whole, atol=1e-5, rtol=1e-5)
+
+
+class OpCalls(TorchDispatchMode):
+    """The names of the ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [32, 64])
+def test_a_short_chunks_float_experts_are_one_kernel_call(moe, rows):
+    """A chunk of fewer tokens than gemm_from_rows(w) gives no expert rows enough for a GEMM (a
+    token picks an expert once): its experts are the few-row kernel's call in the graph, without the
+    grouped op's host-side setup; a longer chunk's take the grouped op. Both the dense result."""
+    x = torch.randn(rows, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad(), OpCalls() as calls:
+        ours, reference = forms(moe, x, 2.0, overflow="exact")
+    gate_up = expert_weights(moe, "experts_gate_up", x.dtype, None)()
+    short = rows < gemm_from_rows(gate_up)
+    assert calls.names.count("deepinfer::float_matmul") == (2 if short else 0), calls.names
+    assert calls.names.count("deepinfer::grouped_matmul") == (0 if short else 2), calls.names
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])

@@ -1,6 +1,7 @@
 """Inductor graph passes for matrix products of bfloat16 tensors: computed in float32 from the bf16
 operands, the result rounded to bf16 once (as a native bf16 GEMM rounds: accumulated in float32,
-stored bf16). What is stored -- weights, activations between ops, the KV pool -- stays bf16.
+stored bf16). What is stored -- weights, activations between ops, the KV pool -- stays bf16. (And
+float32's few-row products over small matrices: reductions, as bf16's below.)
 
 `chunk_patterns`, for CPUs without native bf16 math (AVX2; AVX-512 without AVX512_BF16/AMX): a
 product of several rows is a BLAS call on float32 copies of its operands, a piece of the matrix
@@ -28,6 +29,11 @@ product as a reduction, 33-73 us as a bf16 GEMM, 26-69 us in float32; at 4 rows 
 matrix the reduction lost (162 against 70 us); ~12M model's bf16/f32 TPOT 1.03 -> 0.70 (native
 bf16), 0.82 -> 0.70 (held to AVX2). The 190M's 8 heads over its latent cache (MLA: one matrix for
 all heads) were 3 GEMMs a layer, ~0.5 ms of a 5-6 ms bf16 decode step (profiled) at 4 rows at most.
+float32 products of 2 to FEW_ROWS rows within the same reads are reductions too (one row is
+inductor's own decomposition; a stored weight's few rows are few_row_products.py's first):
+MKL's float32 GEMM costs ~5 us a call at these sizes (the trained
+tiny V3's 4 heads, 12 calls a decode step: 64 us of ~0.5 ms, profiled). Side by side on an Intel
+Xeon (bench/bundle_ab_bench.py): tiny V3 TPOT-32 0.91-0.92x, the 190M's 0.93x (TTFT-32 0.96x).
 
 Element-wise ops, norms and softmax need nothing: inductor computes them in float32 registers
 from bf16 loads.
@@ -44,9 +50,17 @@ chunk_patterns = PatternMatcherPass(pass_name="deepinfer_float32_chunk_products"
 small_chunk_patterns = PatternMatcherPass(pass_name="deepinfer_float32_small_chunk_products")
 
 
-def _bf16(*nodes: torch.fx.Node) -> bool:
+def _cpu_values_of(dtype, nodes) -> bool:
     values = [n.meta.get("val") for n in nodes]
-    return all(v is not None and v.dtype == BF16 and v.device.type == "cpu" for v in values)
+    return all(v is not None and v.dtype == dtype and v.device.type == "cpu" for v in values)
+
+
+def _bf16(*nodes: torch.fx.Node) -> bool:
+    return _cpu_values_of(BF16, nodes)
+
+
+def _float32(*nodes: torch.fx.Node) -> bool:
+    return _cpu_values_of(torch.float32, nodes)
 
 
 def _rows(match) -> int:
@@ -147,12 +161,12 @@ def row_product(x32, matrix):
 
 
 def reduced(x32, matrix):
-    return row_product(x32, matrix).to(BF16)
+    return row_product(x32, matrix).to(matrix.dtype)
 
 
 def reduced_plus_bias(bias, x32, matrix):
     """The same with a bias added before the one rounding (addmm, baddbmm)."""
-    return (row_product(x32, matrix) + bias.float()).to(BF16)
+    return (row_product(x32, matrix) + bias.float()).to(matrix.dtype)
 
 
 def float32_row(x: torch.fx.Node) -> torch.fx.Node:
@@ -168,13 +182,15 @@ def float32_row(x: torch.fx.Node) -> torch.fx.Node:
 def _register(op, arity: int):
     pattern = CallFunction(op, *(Arg() for _ in range(arity)))
 
-    @register_graph_pattern(pattern, pass_dict=reduction_patterns, extra_check=lambda m: _bf16(*m.args) and _as_reduction(m))
+    @register_graph_pattern(pattern, pass_dict=reduction_patterns, extra_check=lambda m: _as_reduction(m) and (
+        _bf16(*m.args) or (_float32(*m.args) and _rows(m) > 1)))
     def _reduce(match, *args):
         *bias, x, matrix = args
+        x32 = float32_row(x) if _bf16(x) else x
         if bias:
-            match.replace_by_example(reduced_plus_bias, [*bias, float32_row(x), matrix])
+            match.replace_by_example(reduced_plus_bias, [*bias, x32, matrix])
         else:
-            match.replace_by_example(reduced, [float32_row(x), matrix])
+            match.replace_by_example(reduced, [x32, matrix])
 
     @register_graph_pattern(pattern, pass_dict=chunk_patterns, extra_check=lambda m: _bf16(*m.args) and not _as_reduction(m))
     @register_graph_pattern(pattern, pass_dict=small_chunk_patterns, extra_check=lambda m: _bf16(*m.args) and not _as_reduction(m) and _small(m))

@@ -1,7 +1,8 @@
 """The inductor backend's float32-products passes: a bf16 matrix product is computed in float32
 from its bf16 operands and rounded to bf16 once -- a one-row product as a reduction that reads the
 bf16 weight as stored (every host), a chunk's as a BLAS call on float32 copies (hosts without
-native bf16 math; with it, chunks over small matrices)."""
+native bf16 math; with it, chunks over small matrices). A few-row product over a small matrix is
+a reduction in float32 too."""
 
 import torch
 import torch._inductor.config
@@ -61,6 +62,18 @@ def test_with_native_bf16_chunk_products_stay_bf16_but_small_ones():
     results, (code, *_) = compiled(False, *args)
     torch.testing.assert_close(results[1], in_float32(*args)[1], atol=0, rtol=2 ** -7)
     assert code.count("extern_kernels.mm(") == 1 and "empty_strided_cpu((256, 96), (96, 1), torch.float32)" in code, code
+
+
+def test_float32_few_row_products_over_small_matrices_are_reductions():
+    """float32: a decode step's heads over a short cache (a few rows over a small matrix) and the
+    per-head product are reductions, without the BLAS call's fixed cost (the 24-row chunk is the
+    few-row kernel's). The same results as eager's float32."""
+    torch.manual_seed(0)
+    args = tuple(torch.randn(shape) for shape in SHAPES)
+    results, (code, *_) = compiled(False, *args)
+    for got, expected in zip(results, layer(*args)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert "extern_kernels.mm(" not in code and "extern_kernels.bmm(" not in code, code
 
 
 def big_products(xs, w_experts, rows, w_rows, bias, probs, cache):

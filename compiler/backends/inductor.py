@@ -37,11 +37,19 @@ INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_mat
 # one-row products (a computed weight, a head's matrix) become fused multiply-reduce kernels by
 # inductor's mm decomposition pass, enabled here for one row: from 2 rows on such a kernel re-reads
 # the matrix per row and loses to the BLAS call (bench/mm_decomposition_bench.py: 2 rows 2x, 8
-# rows 3.8x slower). Longer chunks are BLAS calls (cut into weight blocks at 4-8 rows where the
+# rows 3.8x slower), but over a matrix small enough to stay in cache (float32_products.py). Longer chunks are BLAS calls (cut into weight blocks at 4-8 rows where the
 # kernel does not apply: blocked_matmul.py). The routed experts' decode products with gathered
 # weights are the kernel's too where the experts are stored float (it takes them by id), else
 # reductions at any row count (gathered_matvec.py).
+#
+# A region's intermediate buffers come from one block a call, planned by liveness
+# (`memory_planning`), not one allocation each (19 in the trained tiny V3's attention region):
+# side by side on an Intel Xeon (bench/bundle_ab_bench.py), the tiny V3's float32 TPOT-32 0.92-0.96x,
+# the 190M's float32 TPOT-32 / TTFT-32 / TTFT-512 0.84 / 0.90 / 0.97x, bfloat16 0.96 / 0.94 / 0.98x.
+# Not in regions with a torch.cond (the MoE's overflow passes): torch 2.13's planner frees the
+# branches' buffers where the C++ wrapper no longer declares them, and g++ fails.
 DEFAULTS = {
+    "memory_planning": True,
     "post_grad_fusion_options": {
         "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 1, "cpu_max_other_dimension_decomposition": 1 << 30},
     },
@@ -150,6 +158,8 @@ def compile(program, options: dict, out):
     torch._inductor.config.post_grad_fusion_options = options.get("post_grad_fusion_options", {})
     torch._inductor.config.post_grad_custom_pre_pass = graph_passes(not native_bf16(vector_isa()))
     program._example_inputs = (example_inputs(program), {})  # AOTInductor insists on having some
+    if any(node.target is torch.ops.higher_order.cond for node in program.graph.nodes):
+        options = {**options, "memory_planning": False}  # (see DEFAULTS)
     with _private_inductor_cache(program):
         torch._inductor.aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))
 

@@ -235,14 +235,25 @@ class MLP(nn.Module):
         return torch.ops.deepinfer.all_reduce(out, self.reduce_group) if self.reduce_group else out
 
 
-# The group selection without topk: topk is a library call in a compiled region (~7 us each on
-# CPU, a fixed cost per MoE layer that small experts feel: bench/decode_bench.py's 64x4 config),
-# while these reductions fuse into the router's kernel. Same picks as topk's (ties to the lower
-# index, where topk leaves the order open).
+# The expert selection without topk: topk is a library call in a compiled region (~6-7 us each on
+# CPU, a fixed cost per MoE layer that small experts feel: bench/decode_bench.py's 64x4 config,
+# the trained tiny V3's decode step of ~0.4 ms), while these reductions fuse into the router's
+# kernel. Same picks as topk's (ties to the lower index, where topk leaves the order open).
 def top_two_sum(x):
     """x [N, G, n] -> [N, G]: the sum of the two largest of each group (topk(2)[0].sum(-1))."""
     first = x.argmax(dim=-1, keepdim=True)
     return x.amax(dim=-1) + x.scatter(-1, first, float("-inf")).amax(dim=-1)
+
+
+def largest_ids(x, k: int):
+    """x [N, E] -> [N, k]: the ids of each row's k largest, largest first (topk(k)[1]), as k
+    argmax reductions, each taken entry then set to -inf. (A row needs k entries above -inf.)"""
+    ids = []
+    for _ in range(k):
+        best = x.argmax(dim=-1, keepdim=True)  # [N, 1]
+        ids.append(best)
+        x = x.scatter(-1, best, float("-inf"))
+    return torch.cat(ids, dim=-1)
 
 
 def largest_mask(x, k: int):
@@ -272,7 +283,7 @@ class Router(nn.Module):
         group_mask = largest_mask(group_scores, self.topk_group)  # [N, G]
         expert_mask = group_mask[:, :, None].expand(N, self.n_group, E // self.n_group).reshape(N, E)
         choice = choice.masked_fill(~expert_mask, float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # [N, k]
+        ids = largest_ids(choice, self.top_k)  # [N, k] (config_checks: k experts in topk_group groups)
         weights = scores.gather(1, ids)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -402,7 +402,7 @@ class Gate(nn.Module):
         if hasattr(self, "tid2eid"):
             ids = self.tid2eid[tokens]
         else:
-            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+            ids = deepseek_v3.largest_ids(scores + self.bias, self.top_k)
         weights = scores.gather(1, ids)
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, ids
 

@@ -30,8 +30,8 @@ def tokens(bundle):
     return [r.token_ids for r in engine.generate([Request([5, 6, 7], 8), Request(list(range(20, 40)), 8)])]
 
 
-def test_segfault_on_sigmoid_and_topk_is_bisected_applied_and_fixed(tmp_path, cache_dir):
-    recipe_path = faulty(tmp_path, ["aten.sigmoid", "aten.topk"], "segfault")
+def test_segfault_on_sigmoid_and_gather_is_bisected_applied_and_fixed(tmp_path, cache_dir):
+    recipe_path = faulty(tmp_path, ["aten.sigmoid", "aten.gather"], "segfault")
     original = recipe_path.read_text()
     run = subprocess.run([sys.executable, "-m", "deepinfer.compiler.cli", "bisect", str(recipe_path), "--out", str(tmp_path / "out"),
                           "--cache-dir", str(cache_dir), "--timeout", "120", "--apply"], capture_output=True, text=True, timeout=900)
@@ -39,9 +39,9 @@ def test_segfault_on_sigmoid_and_topk_is_bisected_applied_and_fixed(tmp_path, ca
     [finding] = json.loads((tmp_path / "out" / "report.json").read_text())
     assert finding["signature"] == "signal SIGSEGV"
     targets = [op["target"] for op in finding["ops"]]
-    assert targets[0] == "aten.sigmoid.default" and targets[-1] == "aten.topk.default"
+    assert targets[0] == "aten.sigmoid.default" and targets[-1] == "aten.gather.default"
     assert all(op["module"] == "layers.*.mlp.gate" for op in finding["ops"])
-    assert finding["boundary"] == {"op": "aten.topk", "module": "layers.*.mlp.gate"} and finding["boundary_verified"]
+    assert finding["boundary"] == {"op": "aten.gather", "module": "layers.*.mlp.gate"} and finding["boundary_verified"]
     repro = tmp_path / "out" / finding["region"] / "repro"
     assert {p.name for p in repro.iterdir()} >= {"minimal.ep.pt2", "inputs.json", "backend.json", "versions.json", "repro.sh"}
     assert subprocess.run([str(repro / "repro.sh")], capture_output=True).returncode == -11
@@ -51,7 +51,7 @@ def test_segfault_on_sigmoid_and_topk_is_bisected_applied_and_fixed(tmp_path, ca
     patched = recipe_path.read_text()
     assert [l for l in patched.splitlines() if not l.startswith(("regions:", " ", "-"))] == \
            [l for l in original.splitlines() if not l.startswith(("regions:", " ", "-"))]
-    assert yaml.safe_load(patched)["regions"]["boundaries"] == [{"op": "aten.topk", "module": "layers.*.mlp.gate"}]
+    assert yaml.safe_load(patched)["regions"]["boundaries"] == [{"op": "aten.gather", "module": "layers.*.mlp.gate"}]
     fixed = compile_recipe(load_recipe(recipe_path), cache_dir=cache_dir, progress=False)
     # ...and generates the tokens of a bundle compiled with no fault.
     clean = compile_recipe(load_recipe(write_recipe(tmp_path, "clean", methods=SMALL, backend={"name": "export"})),

@@ -31,8 +31,8 @@ bf16), 0.82 -> 0.70 (held to AVX2). The 190M's 8 heads over its latent cache (ML
 all heads) were 3 GEMMs a layer, ~0.5 ms of a 5-6 ms bf16 decode step (profiled) at 4 rows at most.
 float32 products of 2 to FEW_ROWS rows within the same reads are reductions too (one row is
 inductor's own decomposition; a stored weight's few rows are few_row_products.py's first):
-MKL's float32 GEMM costs ~5 us a call at these sizes (the trained
-tiny V3's 4 heads, 12 calls a decode step: 64 us of ~0.5 ms, profiled). Side by side on an Intel
+MKL's float32 GEMM costs ~5 us a call at these sizes (the trained tiny V3's 4 heads, 12 calls a
+decode step: 64 us of ~0.5 ms, profiled). Side by side on an Intel
 Xeon (bench/bundle_ab_bench.py): tiny V3 TPOT-32 0.91-0.92x, the 190M's 0.93x (TTFT-32 0.96x).
 
 Element-wise ops, norms and softmax need nothing: inductor computes them in float32 registers

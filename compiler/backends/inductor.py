@@ -37,8 +37,9 @@ INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_mat
 # one-row products (a computed weight, a head's matrix) become fused multiply-reduce kernels by
 # inductor's mm decomposition pass, enabled here for one row: from 2 rows on such a kernel re-reads
 # the matrix per row and loses to the BLAS call (bench/mm_decomposition_bench.py: 2 rows 2x, 8
-# rows 3.8x slower), but over a matrix small enough to stay in cache (float32_products.py). Longer chunks are BLAS calls (cut into weight blocks at 4-8 rows where the
-# kernel does not apply: blocked_matmul.py). The routed experts' decode products with gathered
+# rows 3.8x slower) but over a matrix small enough to stay in cache (float32_products.py).
+# Longer chunks are BLAS calls (cut into weight blocks at 4-8 rows where the kernel does not
+# apply: blocked_matmul.py). The routed experts' decode products with gathered
 # weights are the kernel's too where the experts are stored float (it takes them by id), else
 # reductions at any row count (gathered_matvec.py).
 #

@@ -14,8 +14,9 @@ from safetensors import safe_open
 
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import RecipeError, load_recipe
-from deepinfer.models import build_model
+from deepinfer.models import build_model, int_weights
 from deepinfer.runtime.errors import BundleError
+from deepinfer.runtime import int_matmul
 from deepinfer.runtime.executor import BundleExecutor
 from tests.conftest import ROOT, TINY_RECIPE, write_recipe
 from tests.models.test_fp8_checkpoint import run_tokens
@@ -55,6 +56,31 @@ def test_quantized_weights_are_codes_and_the_head_is_optional():
     assert layer.mlp.experts_gate_up.shape == (8, 256, 96) and layer.mlp.experts_gate_up_qscale.shape == (8, 256, 3, 2)
     assert model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.float32  # read as a matrix: kept
     assert model.embed.weight.dtype == torch.float32 and model.head.lm_head.weight.dtype == torch.float32
+
+
+def test_small_int8_linears_are_computed_in_the_graph_from_codes_in_row_order():
+    """A decode row through a small int8 linear calls no kernel and is x times the weight the codes
+    hold (in float32, the row unquantized); a big one's codes are in the kernel's layout and its
+    row goes to the kernel. Prompt rows take the same codes."""
+    from tests.models.test_moe import OpCalls
+
+    spec = int_weights.IntWeights(8)
+    for dim_in, dim_out, in_graph in ((192, 96, True), (512, 512, False)):
+        w = torch.randn(dim_out, dim_in)
+        linear = int_weights.IntLinear(dim_in, dim_out, spec)
+        linear.weight.data, linear.weight_qscale.data = int_weights.int_tensors(w, 8, 32)
+        codes, scales = int_weights.int8_codes(w)
+        assert torch.equal(linear.weight, codes if in_graph else int_matmul.pack_int8(codes)) and linear.in_graph == in_graph
+        weight = codes.float() * scales.float()[:, None]
+        for rows in (1, 5):
+            x = torch.randn(rows, dim_in)
+            with OpCalls() as calls:
+                out = linear(x)
+            assert ("deepinfer::int8_matmul" in calls.names) != in_graph, calls.names
+            if in_graph:
+                torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
+            else:  # (the kernel's activations are int8 blocks)
+                assert (out - x @ weight.T).abs().max() < 0.02 * (x @ weight.T).abs().max()
 
 
 # Prompts of 5 tokens and more: the eager model computes them in the dense and exact forms, int8

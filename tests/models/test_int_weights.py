@@ -15,8 +15,8 @@ from safetensors import safe_open
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import RecipeError, load_recipe
 from deepinfer.models import build_model, int_weights
-from deepinfer.runtime.errors import BundleError
 from deepinfer.runtime import int_matmul
+from deepinfer.runtime.errors import BundleError
 from deepinfer.runtime.executor import BundleExecutor
 from tests.conftest import ROOT, TINY_RECIPE, write_recipe
 from tests.models.test_fp8_checkpoint import run_tokens

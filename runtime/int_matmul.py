@@ -44,9 +44,12 @@ the weights at half the memory's rate or less.
 The kernels (int_matmul.cpp) are compiled on the host that runs them, for its CPU (-march=native),
 once per source, torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels,
 ~2 s); they use torch's own threads. Where no C++ compiler works, `reference` and `values` (the
-same arithmetic in torch, slower) run instead, with a warning.
+same arithmetic in torch, slower) run instead, with a warning; AOTInductor regions that call the
+kernels cannot load there (`KERNEL_PROBLEM` says why): their compiled code calls the kernels'
+C functions (`C_SHIMS`) directly, which the library, loaded with its symbols global, provides.
 """
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -79,6 +82,18 @@ AMX_BF16_MOST_ROWS = 8
 AMX = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()  # (this host's, for the runtime's choices)
 SOURCE = Path(__file__).with_name("int_matmul.cpp")
 log = logging.getLogger(__name__)
+
+# The kernels' C functions, as AOTInductor's generated code declares them (torch's naming,
+# aoti_torch_cpu_<op>; a `Tensor?` is a pointer to a handle, null for None).
+C_SHIMS = {
+    "int4_matmul": "AOTITorchError aoti_torch_cpu_int4_matmul(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle scale_zero, "
+                   "AtenTensorHandle* ids, AtenTensorHandle* ret0)",
+    "int8_matmul": "AOTITorchError aoti_torch_cpu_int8_matmul(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle scales, "
+                   "AtenTensorHandle* ids, AtenTensorHandle* ret0)",
+    "float_matmul": "AOTITorchError aoti_torch_cpu_float_matmul(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ids, "
+                    "AtenTensorHandle* ret0)",
+    "int4_values": "AOTITorchError aoti_torch_cpu_int4_values(AtenTensorHandle codes, AtenTensorHandle scale_zero, AtenTensorHandle* ret0)",
+}
 
 torch.library.define("deepinfer::int4_matmul", "(Tensor x, Tensor codes, Tensor scale_zero, Tensor? ids) -> Tensor")
 torch.library.define("deepinfer::int4_values", "(Tensor codes, Tensor scale_zero) -> Tensor")
@@ -245,13 +260,15 @@ def _build() -> Path:
     return target
 
 
-def _register() -> bool:
-    """Load the built kernel as the ops' CPU implementation; the torch reference if it cannot be
-    built, which says so when integer weights first use it (a host without a compiler running float
-    bundles hears nothing)."""
+def _register() -> str | None:
+    """Load the built kernel as the ops' CPU implementation, its C shims global; the torch
+    reference if it cannot be built, which says so when integer weights first use it (a host
+    without a compiler running float bundles hears nothing). Why it could not be, or None."""
     try:
-        torch.ops.load_library(str(_build()))
-        return True
+        library = str(_build())
+        ctypes.CDLL(library, mode=os.RTLD_GLOBAL)  # (before the dispatcher's load, which would keep them local)
+        torch.ops.load_library(library)
+        return None
     except (OSError, RuntimeError) as error:
         unwarned = [error]
 
@@ -276,7 +293,8 @@ def _register() -> bool:
             torch.library.impl(f"deepinfer::{op}", "CPU")(matmul_reference)
         torch.library.impl("deepinfer::float_matmul", "CPU")(float_matmul_reference)
         torch.library.impl("deepinfer::int4_values", "CPU")(values_reference)
-        return False
+        return str(error)
 
 
-KERNEL_BUILT = _register()
+KERNEL_PROBLEM = _register()
+KERNEL_BUILT = KERNEL_PROBLEM is None

@@ -35,6 +35,12 @@ def load(data: bytes, region, where: str):
         try:
             runner = torch._inductor.aoti_load_package(str(path))
         except Exception as err:  # (a zip archive it cannot read, a package without a model)
+            if int_matmul.KERNEL_PROBLEM and "undefined symbol: aoti_torch_cpu_" in str(err):
+                raise BundleError(f"{where}: this region's compiled code calls deepinfer's CPU kernels (int8/int4 weights, few-row "
+                                  "float products: runtime/int_matmul.cpp), which could not be built on this host "
+                                  f"({int_matmul.KERNEL_PROBLEM.strip()[:300]}). Install g++ (or set CXX to a C++ compiler) where the "
+                                  "bundle runs: the kernels are built once for this CPU into DEEPINFER_CACHE_DIR/kernels (~2 s); "
+                                  "the export backend's bundles run without them, slower.") from None
             raise BundleError(f"{where}: not an AOTInductor package this runtime can load ({type(err).__name__}: "
                               f"{str(err).strip()[:200]}). Recompile the bundle.") from None
     # The package's __call__ re-parses its pytree specs from JSON on every call; regions take and

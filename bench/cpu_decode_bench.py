@@ -17,7 +17,7 @@ llama-quantize. Both sides run 2 threads, one sequence, and take turns in rounds
                        untimed run of the same prompt (llama-bench's warmup)
 
 Each TPOT also against the floor: the weight bytes a token reads (the compile summary's "read per
-decode token") over this box's read bandwidth, measured first (a float32 sum over 512 MiB).
+decode token") over this box's read bandwidth, measured first (a float32 sum over 512 MiB on huge pages).
 """
 
 import argparse

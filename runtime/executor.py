@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import knobs
+from . import huge_pages, knobs
 from .backends import backend_module
 from .collectives import run_collective
 from .errors import BundleError
@@ -83,7 +83,7 @@ class BundleExecutor:
         """Every layer's state pool (the KV cache and what else the model keeps per sequence slot)."""
         specs = self.manifest.state_tensors()
         try:
-            return {name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for name, s in specs.items()}
+            return {name: huge_pages.empty(s.shape, getattr(torch, s.dtype)).zero_() for name, s in specs.items()}
         except RuntimeError as err:  # out of memory
             size = sum(torch.Size(s.shape).numel() * getattr(torch, s.dtype).itemsize for s in specs.values())
             raise BundleError(f"{self.bundle}: the state pool ({len(specs)} tensors, {size / 2**30:.1f} GiB) does not fit "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import huge_pages
 from .errors import BundleError
 
 CHUNK = 1 << 20
@@ -59,7 +60,7 @@ def read_verified(path: Path, sha256: str, size: int, on_read=None) -> torch.Ten
         os.close(fd)
         raise BundleError(f"{path}: {found} bytes, but the manifest says {size}: the file was cut short, grown, "
                           "replaced or corrupted. Recompile the bundle or copy it again.")
-    buffer = torch.empty(size, dtype=torch.uint8)
+    buffer = huge_pages.empty((size,), torch.uint8)  # (read through at every step)
     view = memoryview(buffer.numpy())
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb", buffering=0) as f:

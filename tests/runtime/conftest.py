@@ -11,13 +11,18 @@ def leftovers() -> set[str]:
         {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("deepinfer-ranks")}
 
 
-@pytest.fixture
-def shm_unchanged():
-    """Fails the test if it leaves a deepinfer file in /dev/shm or the temp dir. (Another test
-    process's rings come and go within its start-up: a new one is given 10 s to go; a leaked one stays.)"""
-    before = leftovers()
-    yield
+def left_since(before: set[str]) -> set[str]:
+    """The deepinfer files not in `before` that stay. (Another test process's rings come and go
+    within its start-up: a new one is given 10 s to go; a leaked one stays.)"""
     deadline = time.monotonic() + 10
     while (left := leftovers() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not left
+    return left
+
+
+@pytest.fixture
+def shm_unchanged():
+    """Fails the test if it leaves a deepinfer file in /dev/shm or the temp dir."""
+    before = leftovers()
+    yield
+    assert not left_since(before)

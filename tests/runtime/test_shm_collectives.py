@@ -121,7 +121,7 @@ def rank_main(rank: int, port: int, shm: str, results):
 def test_the_runtime_puts_a_one_host_group_on_shared_memory_unless_told_not_to(shm):
     """Two ranks joined by gloo, as the runtime joins them: the group goes on shared memory (or
     stays on gloo with DEEPINFER_SHM_COLLECTIVES=0), with the same results either way."""
-    from tests.runtime.conftest import leftovers
+    from tests.runtime.conftest import left_since, leftovers
 
     before = leftovers()
     ctx = multiprocessing.get_context("spawn")
@@ -140,4 +140,4 @@ def test_the_runtime_puts_a_one_host_group_on_shared_memory_unless_told_not_to(s
         on_host, summed, gathered = out[rank]
         assert on_host == (["world"] if shm == "1" else [])
         assert summed == (x[0] + x[1]).tolist() and gathered == torch.cat(x, dim=1).tolist()
-    assert leftovers() <= before  # the segment was unlinked once both ranks had it open
+    assert not left_since(before)  # the segment was unlinked once both ranks had it open

@@ -32,13 +32,11 @@ from .weights import tensors_of
 class _Call:
     __slots__ = ("fn", "fingerprint", "take", "outputs")
 
-    def __init__(self, fn, fingerprint, args: list[int], outputs: list[int]):
+    def __init__(self, fn, fingerprint, args: list[int], outputs: slice):
         self.fn, self.fingerprint = fn, fingerprint
         # its arguments' value-table slots -> a tuple of them
         self.take = operator.itemgetter(*args) if len(args) > 1 else lambda values, args=args: tuple(values[a] for a in args)
-        # where its outputs go: a slice of the table where their slots follow each other
-        first = outputs[0] if outputs else 0
-        self.outputs = slice(first, first + len(outputs)) if outputs == list(range(first, first + len(outputs))) else outputs
+        self.outputs = outputs  # the table's slots for its outputs (new ones, one after the other: each value is written once)
 
 
 class _Plan:
@@ -129,9 +127,10 @@ class BundleExecutor:
                 outputs = [(s.shape, s.dtype) for s in region.outputs]
             if len(outputs) != len(step.outputs):
                 raise BundleError(f"{where}, step {n}: {len(step.outputs)} outputs named for {len(outputs)} produced.")
-            shadowed = [name for name in step.outputs if name in fixed or name in expected_inputs]
-            if shadowed:
-                raise BundleError(f"{where}, step {n}: output {shadowed[0]!r} would shadow a weight or step input.")
+            bound = [name for i, name in enumerate(step.outputs) if name in known or name in step.outputs[:i]]
+            if bound:
+                raise BundleError(f"{where}, step {n}: output {bound[0]!r} is already bound (a weight, a step input or an "
+                                  "earlier output), and each value is written once. Recompile the bundle.")
             known.update(zip(step.outputs, outputs))
         if method == "draft":  # k draft tokens for each block of k + 1 rows
             k = self.manifest.speculative
@@ -155,7 +154,9 @@ class BundleExecutor:
                     slots[name] = len(slots)
                     held[slots[name]] = fixed[name]
             args = [slots[name] for name in step.inputs]
-            outputs = [slots.setdefault(name, len(slots)) for name in step.outputs]
+            first = len(slots)
+            slots.update((name, first + i) for i, name in enumerate(step.outputs))
+            outputs = slice(first, len(slots))
             if step.collective:
                 spec = step.collective
                 label = f"{spec['op']}:{spec['group']}"
@@ -190,11 +191,7 @@ class BundleExecutor:
                 self._record(call.fingerprint, step, start, time.perf_counter())
             else:
                 results = call.fn(*call.take(values))
-            if type(call.outputs) is slice:
-                values[call.outputs] = results  # (as many as its slots: load checked the counts)
-            else:
-                for index, value in zip(call.outputs, results):
-                    values[index] = value
+            values[call.outputs] = results  # (as many as its slots: load checked the counts)
         return values[plan.output]
 
     def _record(self, fingerprint: str, step: Step, start: float, end: float):

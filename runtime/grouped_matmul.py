@@ -118,7 +118,7 @@ def grouped_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.
     a bfloat16 GEMM on its weight decoded."""
     return kernel_then_gemms(x, ends, codes.shape[0], codes.shape[1], int_matmul.DECODED_FROM_ROWS,
                              lambda x, ids: int_matmul.matmul(x, codes, scale_zero, ids),
-                             lambda rows, e: linear(rows.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes[e], scale_zero[e])))
+                             lambda rows, e: int_matmul.decoded_product(rows, codes[e], scale_zero[e]))
 
 
 torch.library.impl("deepinfer::grouped_matmul", "CPU")(grouped_matmul)

@@ -133,8 +133,13 @@ def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
     from DECODED_FROM_ROWS rows by a bfloat16 GEMM on the weight decoded (F.linear, which a
     region's graph can hold: ATen sends bf16 to oneDNN)."""
     if is_int4(codes) and x.shape[0] >= DECODED_FROM_ROWS:
-        return torch.nn.functional.linear(x.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes, scales)).float()
+        return decoded_product(x, codes, scales).float()
     return matmul(x, codes, scales).squeeze(1)
+
+
+def decoded_product(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times one int4 weight decoded to bfloat16 (`int4_values`), a bfloat16 GEMM -> [M, out] bfloat16."""
+    return torch.nn.functional.linear(x.to(torch.bfloat16), torch.ops.deepinfer.int4_values(codes, scale_zero))
 
 
 def takes_float(w: torch.Tensor) -> bool:

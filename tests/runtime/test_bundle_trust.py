@@ -308,6 +308,16 @@ def test_a_smaller_kv_pool_is_refused(bundle):
         BundleExecutor(bundle)
 
 
+def test_a_program_that_writes_a_value_twice_is_refused(bundle):
+    def edit(body):
+        steps = next(iter(body["programs"].values()))["steps"]
+        steps[1]["outputs"][0] = steps[0]["outputs"][0]
+
+    edit_manifest(bundle, edit)
+    with pytest.raises(BundleError, match=r"step 1: output '.*' is already bound .* each value is written once. Recompile the bundle"):
+        BundleExecutor(bundle)
+
+
 def test_signed_bundles(bundle, tmp_path):
     key, other = tmp_path / "deploy.key", tmp_path / "other.key"
     key.write_text("k" * 64)

@@ -29,7 +29,7 @@ import torch
 import torch._inductor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.compiler.backends import blocked_matmul, few_row_products, float32_products, fp8_decode, gathered_matvec
+from deepinfer.compiler.backends import blocked_matmul, few_row_products, float32_products, fp8_decode, gathered_matvec, one_row_views
 from deepinfer.runtime import int_matmul
 
 EXTENSION = "aoti.pt2"
@@ -102,7 +102,7 @@ def compute_note(toolchain: dict, dtype: str, kept_quantized: bool) -> str | Non
     return "; ".join(notes) or None
 
 
-PASSES = (float32_products, few_row_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
+PASSES = (one_row_views, float32_products, few_row_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
 
 
 class GraphPasses(CustomGraphPass):
@@ -162,6 +162,7 @@ def compile(program, options: dict, out):
     # set globally before inductor loads it (this is the region's own worker process).
     torch._inductor.config.post_grad_fusion_options = options.get("post_grad_fusion_options", {})
     torch._inductor.config.post_grad_custom_pre_pass = graph_passes(not native_bf16(vector_isa()))
+    program = one_row_views.apply(program)
     program._example_inputs = (example_inputs(program), {})  # AOTInductor insists on having some
     if any(node.target is torch.ops.higher_order.cond for node in program.graph.nodes):
         options = {**options, "memory_planning": False}  # (see DEFAULTS)

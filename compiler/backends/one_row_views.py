@@ -35,8 +35,10 @@ def one_row_view(x, dim, index):
 
 
 def apply(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    gathers = [node for node in program.graph.nodes if node.target is aten.index_select.default]
-    if not gathers or any(_stored_into_with_gaps(node.args[0]) for node in gathers):
+    """The program with its one-row gathers as views; as it was (not traced again) without any."""
+    one_row = [node for node in program.graph.nodes
+               if node.target is aten.index_select.default and tuple(node.args[2].meta["val"].shape) == (1,)]
+    if not one_row or any(_stored_into_with_gaps(node.args[0]) for node in one_row):
         return program
     return program.run_decompositions({aten.index_select.default: one_row_view})
 

@@ -1,7 +1,7 @@
 """Two bundles of the same model side by side in one process, taking turns: decode TPOT after a
-32-token prompt and the 32-token prompt's TTFT, or others of cpu_decode_bench.py's measures, and B's time over
-A's. On a shared box whose read rate moves by half within an hour, a compiler change is measured
-this way, not by runs minutes apart.
+32-token prompt and the 32-token prompt's TTFT (or others of cpu_decode_bench.py's measures), and
+B's time over A's. On a shared box whose read rate moves by half within an hour, a compiler change
+is measured this way, not by runs minutes apart.
 
     .venv/bin/python bench/bundle_ab_bench.py artifacts/old artifacts/new          # 7 rounds
     .venv/bin/python bench/bundle_ab_bench.py artifacts/old artifacts/new --rounds 15

@@ -29,7 +29,8 @@ import torch
 import torch._inductor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.compiler.backends import blocked_matmul, few_row_products, float32_products, fp8_decode, gathered_matvec, one_row_views
+from deepinfer.compiler.backends import (blocked_matmul, few_row_products, float32_products, fp8_decode, gathered_matvec,
+                                         one_row_views)
 from deepinfer.runtime import int_matmul
 
 EXTENSION = "aoti.pt2"

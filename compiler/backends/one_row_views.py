@@ -44,8 +44,14 @@ def apply(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram
 
 
 def _stored_into_with_gaps(node) -> bool:
-    """Whether a gathered value is a graph input with gaps, stored into first."""
+    """Whether a gathered value is a graph input with gaps, written in place first (index_put_,
+    index_copy_, copy_ into it: the exported graph reads the write's result)."""
     stores = 0
-    while node.op == "call_function" and node.target in (aten.index_put.default, aten.index_put_.default):
+    while node.op == "call_function" and _writes_first_argument(node.target):
         node, stores = node.args[0], stores + 1
     return stores > 0 and node.op == "placeholder" and not node.meta["val"].is_contiguous()
+
+
+def _writes_first_argument(target) -> bool:
+    arguments = target._schema.arguments if isinstance(target, torch._ops.OpOverload) else []
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write

@@ -16,8 +16,8 @@ class CacheRead(torch.nn.Module):
         return q @ rows.mT  # [B, H, L]
 
 
-def exported(read_slots, kv=None):
-    kv, q = torch.randn(3, 16, 8) if kv is None else kv, torch.randn(len(read_slots), 4, 8)
+def exported(read_slots):
+    kv, q = torch.randn(3, 16, 8), torch.randn(len(read_slots), 4, 8)
     args = (kv, torch.tensor([1]), torch.tensor([5]), torch.randn(1, 8), read_slots, q)
     return torch.export.export(CacheRead(), args)
 
@@ -47,8 +47,19 @@ def test_several_slots_stay_a_gather():
     assert torch.ops.aten.index_select.default in targets(program)
 
 
-def test_a_context_buckets_view_of_the_cache_stays_a_gather():
+class CopyRead(torch.nn.Module):
+    """CacheRead storing with index_copy_ (another model's way)."""
+
+    def forward(self, kv, write_slots, positions, new, read_slots, q):
+        kv.index_copy_(0, write_slots, new[None].expand(1, kv.shape[1], -1))
+        return q @ kv.index_select(0, read_slots).mT
+
+
+@pytest.mark.parametrize("store", [CacheRead, CopyRead])
+def test_a_context_buckets_view_of_the_cache_stays_a_gather(store):
     """(inductor would copy the whole cache in and out around a view of it at a run-time offset)"""
-    pool = torch.randn(3, 64, 8)
-    program = one_row_views.apply(exported(torch.tensor([1]), kv=pool.narrow(1, 0, 16)))
-    assert torch.ops.aten.index_select.default in targets(program)
+    kv = torch.randn(3, 64, 8).narrow(1, 0, 16)
+    args = (kv, torch.tensor([1]), torch.tensor([5]), torch.randn(1, 8), torch.tensor([1]), torch.randn(1, 4, 8))
+    assert torch.ops.aten.index_select.default in targets(one_row_views.apply(torch.export.export(store(), args)))
+    whole = (torch.randn(3, 16, 8), *args[1:])  # (the same store into a whole cache: a view)
+    assert torch.ops.aten.index_select.default not in targets(one_row_views.apply(torch.export.export(store(), whole)))

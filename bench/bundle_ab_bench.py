@@ -19,6 +19,7 @@ from cpu_decode_bench import MEASURES
 
 from deepinfer.runtime.executor import BundleExecutor
 
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("a", type=Path, help="bundle A (the baseline)")

@@ -16,10 +16,10 @@ class CacheRead(torch.nn.Module):
         return q @ rows.mT  # [B, H, L]
 
 
-def exported(read_slots):
-    kv, q = torch.randn(3, 16, 8), torch.randn(len(read_slots), 4, 8)
-    args = (kv, torch.tensor([1]), torch.tensor([5]), torch.randn(1, 8), read_slots, q)
-    return torch.export.export(CacheRead(), args)
+def exported(read_slots, store=CacheRead, kv=None):
+    kv = torch.randn(3, 16, 8) if kv is None else kv
+    args = (kv, torch.tensor([1]), torch.tensor([5]), torch.randn(1, 8), read_slots, torch.randn(len(read_slots), 4, 8))
+    return torch.export.export(store(), args)
 
 
 def targets(program):
@@ -58,8 +58,7 @@ class CopyRead(torch.nn.Module):
 @pytest.mark.parametrize("store", [CacheRead, CopyRead])
 def test_a_context_buckets_view_of_the_cache_stays_a_gather(store):
     """(inductor would copy the whole cache in and out around a view of it at a run-time offset)"""
-    kv = torch.randn(3, 64, 8).narrow(1, 0, 16)
-    args = (kv, torch.tensor([1]), torch.tensor([5]), torch.randn(1, 8), torch.tensor([1]), torch.randn(1, 4, 8))
-    assert torch.ops.aten.index_select.default in targets(one_row_views.apply(torch.export.export(store(), args)))
-    whole = (torch.randn(3, 16, 8), *args[1:])  # (the same store into a whole cache: a view)
-    assert torch.ops.aten.index_select.default not in targets(one_row_views.apply(torch.export.export(store(), whole)))
+    with_gaps = exported(torch.tensor([1]), store, kv=torch.randn(3, 64, 8).narrow(1, 0, 16))
+    assert torch.ops.aten.index_select.default in targets(one_row_views.apply(with_gaps))
+    whole = exported(torch.tensor([1]), store)  # (the same store into a whole cache: a view)
+    assert torch.ops.aten.index_select.default not in targets(one_row_views.apply(whole))

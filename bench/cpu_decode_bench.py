@@ -16,11 +16,15 @@ llama-quantize. Both sides run 2 threads, one sequence, and take turns in rounds
     TTFT at 32 / 512   ms to process a 32- / 512-token prompt (ours: its prefill steps), each side after an
                        untimed run of the same prompt (llama-bench's warmup)
 
-Each TPOT also against the floor: the weight bytes a token reads (the compile summary's "read per
-decode token") over this box's read bandwidth, measured first (a float32 sum over 512 MiB on huge pages).
+Each TPOT also against the floor: the bytes a token must read -- the weights' (the compile summary's
+"read per decode token") and the KV cache's rows up to its position -- over this box's read
+bandwidth (a float32 sum over 512 MiB on huge pages), measured at the start of every round, next to
+the times it judges: the box's neighbours move both by 15-30% within the hour, so each round's TPOT
+is divided by that round's floor and the table gives the median of those ratios.
 """
 
 import argparse
+import math
 import platform
 import shutil
 import statistics
@@ -124,7 +128,26 @@ MEASURES = {"TPOT 32": (lambda e: decode_ms(e, 32), lambda l, g: l.bench(g, dept
             "TTFT 512": (lambda e: prefill_ms(e, 512), lambda l, g: l.bench(g, prompt=512))}
 
 
-def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, bandwidth: float, formats: list[str]):
+def cache_bytes(executor: BundleExecutor, position: int) -> int:
+    """Bytes of the KV cache a decode token at `position` must read: every layer's state entries for
+    the positions up to it, at most the entries a slot holds (a window's). The bundle reads its whole
+    context bucket; that padding is not the floor's."""
+    total = 0
+    for layer in executor.manifest.state:
+        for spec in layer:
+            entries = min(-(-(position + 1) // (spec.positions_per_entry or 1)), spec.shape[1])
+            total += entries * math.prod(spec.shape[2:]) * getattr(torch, spec.dtype).itemsize
+    return total
+
+
+def floor_ms(executor: BundleExecutor, summary, measure: str, bandwidth: float) -> float:
+    """A TPOT measure's floor: its token's weight and cache bytes over `bandwidth` GB/s (the middle
+    token of the TOKENS decoded after the measure's prompt)."""
+    position = int(measure.split()[1]) + TOKENS // 2
+    return (summary.decode_bytes + cache_bytes(executor, position)) / bandwidth / 1e6
+
+
+def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, formats: list[str]):
     print(f"\n{name}: compiling and converting", flush=True)
     sides = {}
     for ours, (dtype, quantize, theirs) in ((f, PAIRS[f]) for f in formats):
@@ -134,21 +157,28 @@ def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, bandwi
     for executor, _, _ in sides.values():  # warm
         decode_ms(executor, 32)
     times = {(ours, m): ([], []) for ours in formats for m in MEASURES}
+    bandwidths = []
     for _ in range(ROUNDS):
+        bandwidths.append(read_bandwidth())
         for ours, (executor, gguf, _) in sides.items():
             for measure, (mine, theirs) in MEASURES.items():
                 times[ours, measure][0].append(mine(executor))
                 times[ours, measure][1].append(theirs(llama, gguf))
-    print(f"\n{name}, ms (median of {ROUNDS} rounds), 2 threads; floor = weight bytes a token reads / {bandwidth:.1f} GB/s")
+    print(f"\n{name}, ms (median of {ROUNDS} rounds), 2 threads; floor = the weight and KV cache bytes a token reads over "
+          f"the round's read bandwidth ({min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s; the median floor shown), "
+          "deepinfer / floor the median of the rounds' ratios")
     print("| weights | measure | deepinfer | llama.cpp | ratio | floor | deepinfer / floor |")
     print("|---|---|---|---|---|---|---|")
-    for ours, (_, _, summary) in sides.items():
-        floor = summary.decode_bytes / bandwidth / 1e6
+    for ours, (executor, _, summary) in sides.items():
         for measure in MEASURES:
             mine, theirs = (statistics.median(t) for t in times[ours, measure])
-            floored = measure.startswith("TPOT")
-            print(f"| {ours} / {PAIRS[ours][2]} | {measure} | {mine:.3f} | {theirs:.3f} | {mine / theirs:.2f} | "
-                  f"{f'{floor:.3f}' if floored else ''} | {f'{mine / floor:.2f}' if floored else ''} |", flush=True)
+            floor = ratio = ""
+            if measure.startswith("TPOT"):
+                floors = [floor_ms(executor, summary, measure, b) for b in bandwidths]
+                floor = f"{statistics.median(floors):.3f}"
+                ratio = f"{statistics.median(t / f for t, f in zip(times[ours, measure][0], floors)):.2f}"
+            print(f"| {ours} / {PAIRS[ours][2]} | {measure} | {mine:.3f} | {theirs:.3f} | {mine / theirs:.2f} | {floor} | {ratio} |",
+                  flush=True)
     if "int8" in formats and "float32" in formats:
         int8, f32 = (statistics.median(times[f, "TPOT 32"][0]) for f in ("int8", "float32"))
         print(f"\nint8 TPOT at 32 / our float32's: {int8 / f32:.2f}")
@@ -165,13 +195,11 @@ def main():
 
     args.work.mkdir(parents=True, exist_ok=True)
     llama = LlamaCpp.build(args.llama_cpp)
-    bandwidth = read_bandwidth()
     isa = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16") if f in Path("/proc/cpuinfo").read_text())
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, CPU flags: {isa}; read bandwidth "
-          f"{bandwidth:.1f} GB/s (2 threads)")
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, CPU flags: {isa}")
     for name in args.models:
         checkpoint = TINY if name == "tiny-v3-code" else random_checkpoint(args.work / "hf-190m")
-        bench_model(name, checkpoint, llama, args.work, bandwidth, args.formats)
+        bench_model(name, checkpoint, llama, args.work, args.formats)
 
 
 if __name__ == "__main__":

@@ -165,14 +165,13 @@ class MLAttention(nn.Module):
         else:
             kv.index_put_((write_slots, positions), new)
             rows = kv.index_select(0, read_slots)  # [1 or T, L, C]
-            cached_latent, cached_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, L, R], [B, L, r]
             w_uk, w_uv = self.absorbed(x.dtype)
             q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-            scores = self.scores(q_latent, q_rope, cached_latent, cached_rope)  # [T, H, L]
+            scores = self.scores(q_latent, q_rope, rows)  # [T, H, L]
             visible = torch.arange(rows.shape[1], device=rows.device)[None, :] <= positions[:, None]  # [T, L]
             scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
             probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
-            out_latent = self.weighted(probs, cached_latent)  # [T, H, R]
+            out_latent = self.weighted(probs, rows)  # [T, H, R]
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v]
         out = self.o_proj(out.flatten(1))
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
@@ -183,20 +182,21 @@ class MLAttention(nn.Module):
         w_kv_b = linear_weight(self.kv_b_proj, dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w_kv_b.split([self.nope, self.v_dim], dim=1)
 
-    def scores(self, q_latent, q_rope, cached_latent, cached_rope):
-        """Queries [T, H, R], [T, H, r] against the cached latents [B, L, R] and rope keys
-        [B, L, r] of B = 1 or T sequences -> [T, H, L]. Grouped by the sequence read: a prefill's
-        T x H queries are one product with its one cache, not T products with a broadcast copy of
-        it (which bf16 matmuls materialize)."""
-        B, L = cached_latent.shape[:2]
-        scores = (torch.matmul(q_latent.reshape(B, -1, self.kv_lora_rank), cached_latent.mT)
-                  + torch.matmul(q_rope.reshape(B, -1, self.rope_dim), cached_rope.mT))
-        return scores.view(q_latent.shape[0], self.n_heads, L)
+    def scores(self, q_latent, q_rope, rows):
+        """Queries [T, H, R], [T, H, r] against the cached rows [B, L, C] (latent, then rope key) of
+        B = 1 or T sequences -> [T, H, L]. One product over whole rows: a decode step's is a few
+        query rows times the sequence's cache as it lies, which the few-row kernel takes (two over
+        the latent and rope columns were a BLAS call and a reduction over strided rows). Grouped by
+        the sequence read: a prefill's T x H queries are one product with its one cache, not T
+        products with a broadcast copy of it (which bf16 matmuls materialize)."""
+        B, L, C = rows.shape
+        queries = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, C]
+        return torch.matmul(queries.reshape(B, -1, C), rows.mT).view(q_latent.shape[0], self.n_heads, L)
 
-    def weighted(self, probs, cached_latent):
-        """probs [T, H, L] over the rows' latents [B, L, R] -> [T, H, R]."""
-        B, L = cached_latent.shape[:2]
-        return torch.matmul(probs.view(B, -1, L), cached_latent).view(probs.shape[0], self.n_heads, -1)
+    def weighted(self, probs, rows):
+        """probs [T, H, L] over the rows' latents ([B, L, C]'s first R columns) -> [T, H, R]."""
+        B, L = rows.shape[:2]
+        return torch.matmul(probs.view(B, -1, L), rows[..., :self.kv_lora_rank]).view(probs.shape[0], self.n_heads, -1)
 
     def attend_striped(self, q_nope, q_rope, new, positions, write_slots, read_slots, kv):
         """The attention under context parallelism, over this rank's stripe of the cache, merged
@@ -211,12 +211,11 @@ class MLAttention(nn.Module):
             q_latent, q_rope = q_latent.reshape(-1, H, self.kv_lora_rank), q_rope.reshape(-1, H, self.rope_dim)
         kv.index_put_(context_parallel.stripe(positions, write_slots, self.cp_rank, cp, kv.shape[0] - 1), new)
         rows = kv.index_select(0, read_slots)  # [1 or T, L / cp, C]
-        cached_latent, cached_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        scores = self.scores(q_latent, q_rope, cached_latent, cached_rope)
+        scores = self.scores(q_latent, q_rope, rows)
         keys = context_parallel.key_positions(rows.shape[1], self.cp_rank, cp, rows.device)
         scores = (scores * self.scale).masked_fill(~(keys[None, :] <= positions[:, None])[:, None, :], float("-inf"))
         probs, lse = context_parallel.partial_softmax(scores)  # [T, H, L / cp], [T, H]
-        out_latent = context_parallel.merge(self.weighted(probs.to(q_latent.dtype), cached_latent), lse, cp)
+        out_latent = context_parallel.merge(self.weighted(probs.to(q_latent.dtype), rows), lse, cp)
         return (context_parallel.own_rows(out_latent, self.cp_rank, cp) if split else out_latent), w_uv
 
 

@@ -1,7 +1,14 @@
 """An inductor graph pass for CPU products of a few rows with a stored float weight: x [M, K] @ W.T,
 W a float32 or bfloat16 [N, K] region input and 1 <= M <= few_rows()[dtype], becomes deepinfer's
 few-row float kernel (runtime/int_matmul.py's float_matmul), which reads the weight once for all
-M rows as it lies, prefetching ahead, with no packing.
+M rows as it lies, prefetching ahead, with no packing. So does a decode step's heads against one
+sequence's KV cache rows (MLA's scores: [H, C] @ rows.T, the rows a slot of the cache pool as
+one_row_views.py reads it, after the step's own row is stored): where the product is past
+float32_products.py's reductions (a long context), it was a BLAS call on a strided view and a
+reduction for the rope columns. The 190M's decode at 512 positions (640-position bucket), old
+bundle / new side by side (bench/bundle_ab_bench.py, an Intel Xeon with AMX): int4 TPOT-512
+0.95-0.96x, bf16 0.99x; eager, 8 heads x [640, 288] rows: BLAS 27-39 us, the kernel 18; at
+4096 rows 165 against 97.
 
 Why: a decode step or a short prompt chunk is bound by reading the weights, and the BLAS calls
 read them slowly at a few rows (MKL's float32 GEMM packs the weight first; blocked_matmul.py's
@@ -81,9 +88,15 @@ def kernel_product_batch_of_one(x, weight_t):
     return kernel_product(x[0], weight_t[0]).unsqueeze(0)
 
 
+# What a region input is seen through as stored: views; a select, as one_row_views.py leaves one
+# sequence's read of the KV cache; the region's own write of new rows into the cache (functional
+# here; inductor writes it in place, into the input the kernel then reads).
+_AS_STORED = {*_VIEWS, aten.select.int, aten.index_put.default}
+
+
 def stored(node: torch.fx.Node) -> bool:
-    """Whether `node` is a region input seen through views only (a weight as stored)."""
-    while node.op == "call_function" and node.target in _VIEWS:
+    """Whether `node` is a region input as stored: a weight, or one sequence's rows of the KV cache."""
+    while node.op == "call_function" and node.target in _AS_STORED:
         node = node.args[0]
     return node.op == "placeholder"
 

@@ -1,6 +1,7 @@
-"""The inductor backend's few-row pass: a product of 1 to few_rows() rows with a stored float weight
-calls deepinfer's float kernel, with eager's result; more rows, computed weights and shapes the
-kernel does not take stay as inductor makes them (one row of a computed weight: a reduction)."""
+"""The inductor backend's few-row pass: a product of 1 to few_rows() rows with a stored float weight,
+or with one sequence's rows of the KV cache, calls deepinfer's float kernel, with eager's result;
+more rows, computed weights and shapes the kernel does not take stay as inductor makes them (one
+row of a computed weight: a reduction)."""
 
 import platform
 
@@ -39,6 +40,25 @@ def test_few_rows_of_a_stored_weight_call_the_kernel_with_eagers_result(dtype):
             tolerance = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
         assert code.count("torch.ops.deepinfer.float_matmul.default(") == calls, (rows, code)
+
+
+def cache_scores(kv, write_slots, positions, new, q):
+    # a decode step's heads against its sequence's cache rows, after storing its new row (the
+    # one-slot read as one_row_views.py leaves it: a select)
+    kv.index_put_((write_slots, positions), new)
+    return q @ kv[1].mT  # [H, C] @ [C, L]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the kernel is taken on x86 hosts (AVX2, AVX-512)")
+def test_heads_against_one_sequences_cache_rows_call_the_kernel_where_they_lie():
+    torch.manual_seed(0)
+    kv, new, q = torch.randn(3, 64, 96), torch.randn(1, 96), torch.randn(8, 96)
+    expected_kv = kv.clone()
+    expected = cache_scores(expected_kv, torch.tensor([1]), torch.tensor([5]), new, q)
+    got, code = compiled_code(cache_scores, kv, torch.tensor([1]), torch.tensor([5]), new, q)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv, expected_kv)  # (the new row stored, and read by the product)
+    assert code.count("torch.ops.deepinfer.float_matmul.default(") == 1, code
 
 
 def computed_weight(x, w):

@@ -53,8 +53,16 @@ INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_mat
 # the 190M's float32 TPOT-32 / TTFT-32 / TTFT-512 0.84 / 0.90 / 0.97x, bfloat16 0.96 / 0.94 / 0.98x.
 # Not in regions with a torch.cond (the MoE's overflow passes): torch 2.13's planner frees the
 # branches' buffers where the C++ wrapper no longer declares them, and g++ fails.
+#
+# A kernel's loop runs on the threads from 2048 elements a thread (inductor's default: 512): a
+# parallel region's start and join cost more than a decode step's norms, rope and softmax take
+# on one thread. Side by side (bench/bundle_ab_bench.py, an Intel Xeon with AMX, 2 threads): the
+# trained tiny V3's float32 TPOT-32 0.93x, TTFT-32 1.00x (4096 a thread: TPOT 0.98x more, TTFT-32
+# 1.02x: a 32-token chunk's kernels want the threads); the 190M's int4 TPOT-32 0.98x, TTFT-512
+# 0.95x, bfloat16 0.97-1.00x.
 DEFAULTS = {
     "memory_planning": True,
+    "cpp.min_chunk_size": 2048,
     "post_grad_fusion_options": {
         "decompose_mm_pass": {"cpu_max_first_dimension_decomposition": 1, "cpu_max_other_dimension_decomposition": 1 << 30},
     },

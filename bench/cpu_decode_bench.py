@@ -39,7 +39,7 @@ from quantized_matmul_bench import read_bandwidth
 from deepinfer.compiler.build import compile_recipe
 from deepinfer.compiler.recipe import load_recipe
 from deepinfer.runtime.executor import BundleExecutor
-from deepinfer.runtime.step import Step
+from deepinfer.runtime.step import Step, entries_holding
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "tiny-v3-code"
@@ -129,22 +129,16 @@ MEASURES = {"TPOT 32": (lambda e: decode_ms(e, 32), lambda l, g: l.bench(g, dept
 
 
 def cache_bytes(executor: BundleExecutor, position: int) -> int:
-    """Bytes of the KV cache a decode token at `position` must read: every layer's state entries for
-    the positions up to it, at most the entries a slot holds (a window's). The bundle reads its whole
-    context bucket; that padding is not the floor's."""
-    total = 0
-    for layer in executor.manifest.state:
-        for spec in layer:
-            entries = min(-(-(position + 1) // (spec.positions_per_entry or 1)), spec.shape[1])
-            total += entries * math.prod(spec.shape[2:]) * getattr(torch, spec.dtype).itemsize
-    return total
+    """Bytes of the state a decode token at `position` must read: every layer's entries holding the
+    positions up to it. The bundle reads its whole context bucket; that padding is not the floor's."""
+    return sum(entries_holding(position + 1, spec.positions_per_entry, spec.shape[1]) * math.prod(spec.shape[2:])
+               * getattr(torch, spec.dtype).itemsize for layer in executor.manifest.state for spec in layer)
 
 
-def floor_ms(executor: BundleExecutor, summary, measure: str, bandwidth: float) -> float:
-    """A TPOT measure's floor: its token's weight and cache bytes over `bandwidth` GB/s (the middle
-    token of the TOKENS decoded after the measure's prompt)."""
-    position = int(measure.split()[1]) + TOKENS // 2
-    return (summary.decode_bytes + cache_bytes(executor, position)) / bandwidth / 1e6
+def token_bytes(executor: BundleExecutor, summary, measure: str) -> int:
+    """A TPOT measure's bytes a token reads, weights and cache (the middle token of the TOKENS
+    decoded after the measure's prompt): over a bandwidth, its floor."""
+    return summary.decode_bytes + cache_bytes(executor, int(measure.split()[1]) + TOKENS // 2)
 
 
 def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, formats: list[str]):
@@ -174,7 +168,8 @@ def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, format
             mine, theirs = (statistics.median(t) for t in times[ours, measure])
             floor = ratio = ""
             if measure.startswith("TPOT"):
-                floors = [floor_ms(executor, summary, measure, b) for b in bandwidths]
+                read = token_bytes(executor, summary, measure)
+                floors = [read / b / 1e6 for b in bandwidths]  # ms at each round's GB/s
                 floor = f"{statistics.median(floors):.3f}"
                 ratio = f"{statistics.median(t / f for t, f in zip(times[ours, measure][0], floors)):.2f}"
             print(f"| {ours} / {PAIRS[ours][2]} | {measure} | {mine:.3f} | {theirs:.3f} | {mine / theirs:.2f} | {floor} | {ratio} |",

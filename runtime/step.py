@@ -52,16 +52,20 @@ def copy_step(source: int, target: int, positions: int) -> Step:
                 read_slot=torch.tensor([source]))
 
 
-def copy_state(tensor: torch.Tensor, positions_per_entry: int | None, step: Step):
-    """Do a copy step to one state tensor [slots, ...]: the entries of its first positions (one per
-    positions_per_entry, the last one partly filled included), or the whole row for a tensor of a
-    fixed size (a ring, a compressor's buffer: it holds the source's last positions)."""
-    source, target = int(step.read_slot[0]), int(step.slots[0])
+def entries_holding(positions: int, positions_per_entry: int | None, row_entries: int) -> int:
+    """How many of a state row's `row_entries` entries hold a sequence's first `positions`
+    positions: one per positions_per_entry (the last one partly filled included), or the whole row
+    for a tensor of a fixed size (a ring, a compressor's buffer: it holds the last positions)."""
     if positions_per_entry is None:
-        tensor[target].copy_(tensor[source])
-    else:
-        entries = min(-(-int(step.positions[0]) // positions_per_entry), tensor.shape[1])
-        tensor[target, :entries].copy_(tensor[source, :entries])
+        return row_entries
+    return min(-(-positions // positions_per_entry), row_entries)
+
+
+def copy_state(tensor: torch.Tensor, positions_per_entry: int | None, step: Step):
+    """Do a copy step to one state tensor [slots, ...]: the entries holding its first positions."""
+    source, target = int(step.read_slot[0]), int(step.slots[0])
+    entries = entries_holding(int(step.positions[0]), positions_per_entry, tensor.shape[1])
+    tensor[target, :entries].copy_(tensor[source, :entries])
 
 
 def program_key(method: str, bucket: int, context: int | None) -> str:

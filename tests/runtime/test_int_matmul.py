@@ -104,11 +104,11 @@ def test_int8_pack_interleaves_rows_of_8_and_unpack_undoes_it():
 
 def test_a_prompts_int4_experts_take_one_kernel_call_and_the_busiest_a_gemm_on_the_weight_decoded():
     """deepinfer::grouped_int4_matmul: rows sorted by expert; the experts of fewer than
-    DECODED_FROM_ROWS rows by id in one call, the others decoded; rows past the last end zeros.
-    Each equal to that expert's own product."""
+    DECODED_FROM_ROWS rows by id in one call, the others decoded (experts 2 and 3 one batched GEMM,
+    expert 2's rows padded); rows past the last end zeros. Each equal to that expert's own product."""
     many = int_matmul.DECODED_FROM_ROWS
-    x, codes, scale_zero, _ = case(2 * many + 30, 1, 5, 16, 64, 32)
-    ends = torch.tensor([3, 3, 3 + many, 3 + many + 20, 3 + 2 * many + 20], dtype=torch.int32)  # (7 rows: no expert)
+    x, codes, scale_zero, _ = case(3 * many + 39, 1, 6, 16, 64, 32)
+    ends = torch.tensor([3, 3, 3 + many, 12 + 2 * many, 32 + 2 * many, 32 + 3 * many], dtype=torch.int32)  # (7 rows: no expert)
     got = torch.ops.deepinfer.grouped_int4_matmul(x, codes, scale_zero, ends)
     start = 0
     for expert, end in enumerate(ends.tolist()):
@@ -122,9 +122,9 @@ def test_a_prompts_float_experts_take_the_kernel_and_the_busiest_a_gemm(dtype):
     """deepinfer::grouped_matmul: rows sorted by expert; the experts of fewer than gemm_from_rows
     rows by the kernel, the others a GEMM; rows past the last end zeros. Each close to that
     expert's own product."""
-    x, w, _ = float_case(80, 1, 4, 16, 64, dtype)
+    x, w, _ = float_case(130, 1, 4, 16, 64, dtype)
     many = min(grouped_matmul.gemm_from_rows(w), 60)
-    ends = torch.tensor([3, 3, 3 + many, 3 + many + 11], dtype=torch.int32)  # (the rest: no expert)
+    ends = torch.tensor([3, 3, 3 + many, 8 + 2 * many], dtype=torch.int32)  # (the rest: no expert)
     got = torch.ops.deepinfer.grouped_matmul(x.to(dtype), w, ends)
     start = 0
     for expert, end in enumerate(ends.tolist()):
@@ -132,6 +132,15 @@ def test_a_prompts_float_experts_take_the_kernel_and_the_busiest_a_gemm(dtype):
         torch.testing.assert_close(got[start:end], expected, atol=1e-4, rtol=1e-4 if dtype == torch.float32 else 1e-2)
         start = end
     assert not got[start:].any()
+
+
+def test_the_experts_gemms_go_in_runs_padded_at_most_half_again():
+    """Consecutive experts with rows for a GEMM share one batched GEMM, padded to the run's busiest
+    expert: a run ends where padding would pass PADDED times its rows, or at `most` experts."""
+    assert grouped_matmul.PADDED == 1.5
+    assert grouped_matmul.gemm_runs([3, 0, 64, 70, 20, 64, 200, 64, 64], 64, 8) == [(2, 4), (5, 6), (6, 7), (7, 9)]
+    assert grouped_matmul.gemm_runs([64] * 5, 64, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert grouped_matmul.gemm_runs([1, 2, 0], 0, 8) == [(0, 2)]
 
 
 CHECK = """

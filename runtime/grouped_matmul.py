@@ -78,17 +78,23 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
-PADDED = 1.5  # (a batched GEMM's rows over its experts' own, at most)
+# The most multiply-adds of padding an expert joining a batched GEMM may add (~0.2 ms of an AMX
+# core's): padding costs less than separate calls (us, a prompt's routing, int4 / bfloat16, runs
+# of one / with this bound / unbounded: 8 experts [256, 192] 1942 / 1157 / 1178, 1712 / 890 / 678;
+# 16 experts [1024, 512] 10005 / 6199 / 6290, 7268 / 3742 / 3779; an Intel Xeon, 2 threads), but
+# one busy expert among many idle ones would pad them all.
+PADDING_PRODUCTS = 1 << 28
 
 
 def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int, gemm_from_rows: int, most_a_run: int,
                       kernel, gemms) -> torch.Tensor:
     """[P, features]: the experts of fewer than gemm_from_rows rows in one kernel call, taken by id
-    as a decode step's are (kernel(x, ids [P, 1]) -> [P, 1, features]; 16 calls in a loop cost 1.26x
-    that on a 32-token int4 prompt's experts); the others by runs of up to most_a_run consecutive
-    experts (`gemm_runs`), each run's rows padded to its busiest expert's: gemms(xs [n, C, in], first) -> [n, C, features]
-    for experts first..first + n - 1, in any float dtype (it is converted as it is stored; a padding
-    row's result is dropped). gemm_from_rows 0: every expert a GEMM."""
+    as a decode step's are (kernel(x, ids [P, 1]) -> [P, 1, features], zeros for id E; 16 calls in
+    a loop cost 1.26x that on a 32-token int4 prompt's experts); the others by runs of up to
+    most_a_run consecutive experts (`gemm_runs`), each run's rows padded to its busiest expert's:
+    gemms(xs [n, C, in], first) -> [n, C, features] for experts first..first + n - 1, in any float
+    dtype (it is converted as it is stored; a padding row's result is dropped). gemm_from_rows 0:
+    every expert a GEMM."""
     bounds = [0, *ends.tolist()]  # expert e's rows: [bounds[e], bounds[e + 1])
     counts = [bounds[e + 1] - bounds[e] for e in range(E)]
     by_kernel = [0 < count < gemm_from_rows for count in counts]
@@ -99,20 +105,24 @@ def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int
     else:
         out = x.new_empty(x.shape[0], features)
         out[bounds[-1]:] = 0  # (another rank's pairs)
-    for first, last in gemm_runs(counts, gemm_from_rows, most_a_run):
-        C = max(counts[first:last])
-        # [n, C]: each expert's rows, its last repeated as padding
-        rows = torch.tensor(bounds[first:last])[:, None] + torch.minimum(torch.arange(C), torch.tensor(counts[first:last])[:, None] - 1)
-        ys = gemms(x[rows], first)  # [n, C, features]
-        for e in range(first, last):
-            out[bounds[e]:bounds[e + 1]] = ys[e - first, :counts[e]]
+    for first, last in gemm_runs(counts, gemm_from_rows, most_a_run, features * x.shape[1]):
+        run, C = counts[first:last], max(counts[first:last])
+        if min(run) == C:  # (no padding: a run's rows are consecutive in x)
+            out[bounds[first]:bounds[last]] = gemms(x[bounds[first]:bounds[last]].view(len(run), C, -1), first).flatten(0, 1)
+            continue
+        # [n * C]: each expert's rows, its first repeated as padding
+        rows = torch.tensor(bounds[first:last])[:, None] + torch.arange(C) * (torch.arange(C) < torch.tensor(run)[:, None])
+        ys = gemms(x.index_select(0, rows.flatten()).view(len(run), C, -1), first).flatten(0, 1)  # [n * C, features]
+        own = torch.cat([torch.arange(i * C, i * C + count) for i, count in enumerate(run)])  # (not padding)
+        out[bounds[first]:bounds[last]] = ys.index_select(0, own)
     return out
 
 
-def gemm_runs(counts: list[int], gemm_from_rows: int, most: int) -> list[tuple[int, int]]:
+def gemm_runs(counts: list[int], gemm_from_rows: int, most: int, row_elements: int) -> list[tuple[int, int]]:
     """The experts with rows for a GEMM (counts[e] >= gemm_from_rows), as runs [first, last) of at
-    most `most` consecutive experts, each run padded to its busiest expert's rows at most PADDED
-    times its rows: a run's weights are a view, one batched GEMM, whose fixed cost a call (oneDNN's,
+    most `most` consecutive experts, an expert joining a run while the padding that adds (to the
+    run's busiest expert's rows) costs at most PADDING_PRODUCTS multiply-adds (row_elements a
+    padding row's). A run's weights are a view, one batched GEMM, whose fixed cost a call (oneDNN's,
     ~40 us on 2 threads of an Intel Xeon) a loop paid an expert (8 experts [256, 192] of 128 rows,
     bfloat16, us: 353 in a loop, 87 batched; int4, decoded: 669 / 221; [1280, 1024] bfloat16 3087 /
     1972)."""
@@ -120,8 +130,9 @@ def gemm_runs(counts: list[int], gemm_from_rows: int, most: int) -> list[tuple[i
     for e, count in enumerate(counts):
         if count and count >= gemm_from_rows:
             if runs and runs[-1][1] == e and e - runs[-1][0] < most:
-                run = counts[runs[-1][0]:e + 1]
-                if len(run) * max(run) <= PADDED * sum(run):
+                run = counts[runs[-1][0]:e]
+                padding = (len(run) + 1) * max(*run, count) - len(run) * max(run) - count
+                if padding * row_elements <= PADDING_PRODUCTS:
                     runs[-1] = (runs[-1][0], e + 1)
                     continue
             runs.append((e, e + 1))

@@ -480,10 +480,17 @@ AtenTensorHandle products(View x, const View* ids, int64_t E, int64_t rows, int6
   QuantizedRows q{std::vector<int8_t>(quantized_x * in), std::vector<float>(quantized_x * in / BLOCK),
                   std::vector<int32_t>(quantized_x * in / BLOCK), std::vector<float>(quantized_x * groups)};
   std::vector<uint16_t> xb(rounded ? X * in : 0);  // x rounded to bfloat16, for bfloat16 weights
+  // (a row no expert here takes is not converted: a prompt chunk's rows that GEMMs or another rank compute)
+  std::vector<bool> taken(X, true);
+  if (ids)
+    for (int64_t p = 0; p < X; ++p)
+      taken[p] = std::any_of(&expert[p * k], &expert[p * k + k], [E](int64_t e) { return e >= 0 && e < E; });
   if (quantized || rounded)
     torch::stable::parallel_for(0, X, std::max<int64_t>(1, THREAD_MIN_WORK / in), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p)
-        if (quantized)
+        if (!taken[p])
+          continue;
+        else if (quantized)
           quantize_row(xs + p * in, in, group, &q.codes[p * in], &q.scales[p * in / BLOCK], &q.code_sums[p * in / BLOCK], q.sums.data() + p * groups);
         else
           for (int64_t i = 0; i < in; ++i) xb[p * in + i] = float_to_bf16(xs[p * in + i]);
@@ -495,17 +502,22 @@ AtenTensorHandle products(View x, const View* ids, int64_t E, int64_t rows, int6
     for (int64_t p = 0; p < X;) {
       int64_t end = p + 1;
       while (end < X && expert[end * k + j] == expert[p * k + j]) ++end;
-      runs.push_back({j, p, end, expert[p * k + j]});
+      const int64_t e = expert[p * k + j];
+      if (e >= 0 && e < E)
+        runs.push_back({j, p, end, e});
+      else  // (zeros: no expert here)
+        for (int64_t q = p; q < end; ++q) std::fill_n(y + (q * k + j) * rows, rows, 0.f);
       p = end;
     }
   const int64_t row_blocks = rows / ROWS, tiles = (row_blocks + ROW_BLOCKS - 1) / ROW_BLOCKS;
+  int64_t taken_rows = 0;
+  for (const Run& run : runs) taken_rows += run.last - run.first;
   // (a run's rows on average; no runs: no rows)
-  const int64_t task_work = std::max<int64_t>(1, X * k / std::max<int64_t>(1, int64_t(runs.size())) * ROW_BLOCKS * ROWS * in);
+  const int64_t task_work = std::max<int64_t>(1, taken_rows / std::max<int64_t>(1, int64_t(runs.size())) * ROW_BLOCKS * ROWS * in);
   torch::stable::parallel_for(0, int64_t(runs.size()) * tiles, std::max<int64_t>(1, THREAD_MIN_WORK / task_work), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const Run& run = runs[task / tiles];
       const int64_t first = (task % tiles) * ROW_BLOCKS, last = std::min(row_blocks, first + ROW_BLOCKS);
-      const bool owned = run.expert >= 0 && run.expert < E;
       for (int64_t block = first; block < last; ++block)
         for (int64_t p = run.first; p < run.last; p += weights.run_rows) {
           const int n = int(std::min<int64_t>(weights.run_rows, run.last - p));
@@ -520,11 +532,8 @@ AtenTensorHandle products(View x, const View* ids, int64_t E, int64_t rows, int6
             out_rows[t] = y + ((p + t) * k + run.j) * rows + block * ROWS;
           }
           const int64_t first_row = run.expert * rows + block * ROWS;
-          if (owned)
-            weights.dots[n](weights.codes + first_row * weights.code_bytes, weights.scales + first_row * weights.scale_bytes, a, in,
-                            group, out_rows);
-          else
-            for (int t = 0; t < n; ++t) std::fill_n(out_rows[t], ROWS, 0.f);
+          weights.dots[n](weights.codes + first_row * weights.code_bytes, weights.scales + first_row * weights.scale_bytes, a, in,
+                          group, out_rows);
         }
     }
   });

@@ -134,13 +134,15 @@ def test_a_prompts_float_experts_take_the_kernel_and_the_busiest_a_gemm(dtype):
     assert not got[start:].any()
 
 
-def test_the_experts_gemms_go_in_runs_padded_at_most_half_again():
+def test_the_experts_gemms_go_in_runs_while_their_padding_is_cheap():
     """Consecutive experts with rows for a GEMM share one batched GEMM, padded to the run's busiest
-    expert: a run ends where padding would pass PADDED times its rows, or at `most` experts."""
-    assert grouped_matmul.PADDED == 1.5
-    assert grouped_matmul.gemm_runs([3, 0, 64, 70, 20, 64, 200, 64, 64], 64, 8) == [(2, 4), (5, 6), (6, 7), (7, 9)]
-    assert grouped_matmul.gemm_runs([64] * 5, 64, 2) == [(0, 2), (2, 4), (4, 5)]
-    assert grouped_matmul.gemm_runs([1, 2, 0], 0, 8) == [(0, 2)]
+    expert: a run ends where an expert's padding would pass PADDING_PRODUCTS, or at `most` experts."""
+    budget = grouped_matmul.PADDING_PRODUCTS  # (rows of 1024 elements: budget // 1024 padding rows a run may take on)
+    rows = budget // 1024
+    assert grouped_matmul.gemm_runs([3, 0, 64, 70, 20, 64, 64 + rows, 64 + rows, 64], 64, 8, 1024) == [(2, 4), (5, 9)]
+    assert grouped_matmul.gemm_runs([64, 65 + rows, 65 + rows, 64], 64, 8, 1024) == [(0, 1), (1, 3), (3, 4)]
+    assert grouped_matmul.gemm_runs([64] * 5, 64, 2, 1024) == [(0, 2), (2, 4), (4, 5)]
+    assert grouped_matmul.gemm_runs([1, 2, 0], 0, 8, 1024) == [(0, 2)]
 
 
 CHECK = """

@@ -147,7 +147,7 @@ def weight_reader(recipe: Recipe, full, specs, layout):
     read_slice = reader(layout)
     if recipe.model["quantize"]:
         whole = reader(Layout())
-        read_slice = int_quantized(read_slice, lambda name: whole(name, 0), specs, layout, recipe.model["quantize_group"])
+        read_slice = int_quantized(read_slice, lambda name: whole(name, 0), specs, layout, recipe.model["quantize_group"], full)
     transform = getattr(backend_module(recipe.backend), "transform_weight", None)
     if transform:
         read_slice = transformed(read_slice, transform, full)

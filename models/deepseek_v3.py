@@ -29,9 +29,10 @@ from torch import nn
 
 import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
 
-from . import context_parallel
+from . import context_parallel, int_weights
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
-from .moe import routed_experts
+from .int_weights import IntWeights
+from .moe import product, routed_experts
 from .parallel import Layout, moe_buffers
 from .prompt_scoring import PromptScorer
 from .quantization import Quantization, absorbed_linear, expert_weights, head_linear, linear, linear_weight, stacked_experts
@@ -136,7 +137,12 @@ class MLAttention(nn.Module):
             self.q_b_proj = linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, q)
         self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_cache_dim, q, c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = absorbed_linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q)
+        self.quantization = q
+        if self.int_heads(q):  # (the checkpoint's kv_b_proj, cut per head: derived_weights)
+            stacked_experts(self, "w_uk", self.n_heads, self.kv_lora_rank, self.nope, q)
+            stacked_experts(self, "w_uv", self.n_heads, self.v_dim, self.kv_lora_rank, q)
+        else:
+            self.kv_b_proj = absorbed_linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q)
         self.o_proj = linear(self.n_heads * self.v_dim, c.hidden_size, q, c.attention_bias)
         self.layout = layout
         self.init_buffers()
@@ -161,26 +167,55 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope, cos, sin, self.interleaved)  # [T, r]
         new = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C]
         if self.cp > 1:
-            out_latent, w_uv = self.attend_striped(q_nope, q_rope, new, positions, write_slots, read_slots, kv)
+            out_latent = self.attend_striped(q_nope, q_rope, new, positions, write_slots, read_slots, kv)
         else:
             kv.index_put_((write_slots, positions), new)
             rows = kv.index_select(0, read_slots)  # [1 or T, L, C]
-            w_uk, w_uv = self.absorbed(x.dtype)
-            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+            q_latent = self.query_latents(q_nope)  # [T, H, R]
             scores = self.scores(q_latent, q_rope, rows)  # [T, H, L]
             visible = torch.arange(rows.shape[1], device=rows.device)[None, :] <= positions[:, None]  # [T, L]
             scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
             probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
             out_latent = self.weighted(probs, rows)  # [T, H, R]
-        out = torch.einsum("thr,hvr->thv", out_latent, w_uv)  # [T, H, v]
+        out = self.value_heads(out_latent)  # [T, H, v]
         out = self.o_proj(out.flatten(1))
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
+
+    # The int-quantized model's up-projections, made from the checkpoint's kv_b_proj [H * (n + v), R]
+    # as the bundle is written (models/int_weights.py derived_source): each head's w_uk transposed,
+    # [H, R, n], so that the kernels reduce over their rows' inputs, and w_uv, [H, v, R].
+    derived_weights = {"w_uk": ("kv_b_proj.weight", lambda self, w: self.per_head(w)[:, :self.nope].transpose(1, 2)),
+                       "w_uv": ("kv_b_proj.weight", lambda self, w: self.per_head(w)[:, self.nope:])}
+
+    def int_heads(self, q: Quantization) -> bool:
+        """Whether the up-projections are int codes (the recipe quantizes, and both fit a layout),
+        read per head by the kernels as a stack of experts: a float kv_b_proj was 4.2 of the 52.5 MB
+        an int4 decode token of the 190M read, as llama.cpp's q4_0 quantizes its attn_k_b / attn_v_b."""
+        R, n, v = self.kv_lora_rank, self.nope, self.v_dim
+        return isinstance(q, IntWeights) and bool(int_weights.layer_bits(n, R, q) and int_weights.layer_bits(R, v, q))
+
+    def per_head(self, w: torch.Tensor) -> torch.Tensor:
+        """A slice of kv_b_proj's weight, [heads * (n + v), R] -> [heads, n + v, R]."""
+        return w.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
 
     def absorbed(self, dtype):
         """The up-projections absorbed into the query and the output (attention in the latent
         space instead of expanding K and V): w_uk [H, n, R], w_uv [H, v, R]."""
         w_kv_b = linear_weight(self.kv_b_proj, dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w_kv_b.split([self.nope, self.v_dim], dim=1)
+
+    def query_latents(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, n] -> [T, H, R], each head's through its w_uk (int codes: the kernel, the
+        heads as experts)."""
+        if hasattr(self, "kv_b_proj"):
+            return torch.einsum("thn,hnr->thr", q_nope, self.absorbed(q_nope.dtype)[0])
+        return product("ten,ern->ter", q_nope, expert_weights(self, "w_uk", q_nope.dtype, self.quantization)())
+
+    def value_heads(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """The attention's latents [T, H, R] -> [T, H, v], each head's through its w_uv."""
+        if hasattr(self, "kv_b_proj"):
+            return torch.einsum("thr,hvr->thv", out_latent, self.absorbed(out_latent.dtype)[1])
+        return product("ter,evr->tev", out_latent, expert_weights(self, "w_uv", out_latent.dtype, self.quantization)())
 
     def scores(self, q_latent, q_rope, rows):
         """Queries [T, H, R], [T, H, r] against the cached rows [B, L, C] (latent, then rope key) of
@@ -200,10 +235,9 @@ class MLAttention(nn.Module):
 
     def attend_striped(self, q_nope, q_rope, new, positions, write_slots, read_slots, kv):
         """The attention under context parallelism, over this rank's stripe of the cache, merged
-        with the group's -> [T, H, R] for this rank's rows, and w_uv (models/context_parallel.py)."""
+        with the group's -> [T, H, R] for this rank's rows (models/context_parallel.py)."""
         cp, H = self.cp, self.n_heads
-        w_uk, w_uv = self.absorbed(q_nope.dtype)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        q_latent = self.query_latents(q_nope)  # [T, H, R]
         split = q_latent.shape[0] != positions.shape[0]  # a prefill chunk: this rank's rows only
         if split:  # the chunk's queries and new keys from the group
             sizes = [H * self.kv_lora_rank, H * self.rope_dim, new.shape[-1]]
@@ -216,7 +250,7 @@ class MLAttention(nn.Module):
         scores = (scores * self.scale).masked_fill(~(keys[None, :] <= positions[:, None])[:, None, :], float("-inf"))
         probs, lse = context_parallel.partial_softmax(scores)  # [T, H, L / cp], [T, H]
         out_latent = context_parallel.merge(self.weighted(probs.to(q_latent.dtype), rows), lse, cp)
-        return (context_parallel.own_rows(out_latent, self.cp_rank, cp) if split else out_latent), w_uv
+        return context_parallel.own_rows(out_latent, self.cp_rank, cp) if split else out_latent
 
 
 class MLP(nn.Module):

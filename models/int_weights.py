@@ -5,9 +5,10 @@ Decode on a CPU reads every active weight once a token, so its speed is the weig
 the memory bandwidth; 8-bit codes read a quarter of float32's, 4-bit an eighth. What is quantized:
 the linear layers and the stacked routed experts, and the LM head unless `head` is off (llama.cpp's
 q8_0 and q4_0 quantize it too: at small sizes it is most of the bytes a token reads). Never the
-embedding (a lookup of one row a token), the router (float32 as in HF), the norms, and never a
-weight the attention reads as a matrix (kv_b_proj, absorbed into the queries): those stay in the
-recipe's dtype.
+embedding (a lookup of one row a token), the router (float32 as in HF), the norms, and a weight
+the attention reads as a matrix (V4's wo_a): those stay in the recipe's dtype. V3's kv_b_proj,
+absorbed into the queries and the output per head, is stored as two stacks of per-head weights
+made from it as they are read (`derived_source`), which the kernels take as experts.
 
     int8  per output channel, symmetric: codes int8 in -127..127 and one bfloat16 scale per row
           [out]; w = code x scale; the codes [..., out, in] with rows of 8 interleaved,
@@ -41,6 +42,7 @@ weight cut by columns is taken over its whole rows (the reader hands over the wh
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -222,3 +224,13 @@ def is_int_param(tensor: torch.Tensor, name: str) -> bool:
 def source_name(name: str) -> str:
     """The float weight a quantized parameter (codes or scales) is made from."""
     return name.removesuffix(SCALE)
+
+
+def derived_source(model: nn.Module, name: str):
+    """(the float model's parameter, make) for an int-quantized model's weight `name` that is made
+    from another as it is read (a module's `derived_weights` {name: (source name, make(module,
+    source slice))}: MLA's up-projections cut per head), else (name, None)."""
+    prefix, _, leaf = name.rpartition(".")
+    module = model.get_submodule(prefix)
+    made = getattr(module, "derived_weights", {}).get(leaf)
+    return (name, None) if made is None else (f"{prefix}.{made[0]}", partial(made[1], module))

@@ -43,6 +43,8 @@ TP_SPLITS = {
     "self_attn.q_proj.weight": 0,
     "self_attn.q_b_proj.weight": 0,
     "self_attn.kv_b_proj.weight": 0,
+    "self_attn.w_uk": 0,  # (kv_b_proj's heads in an int-quantized model)
+    "self_attn.w_uv": 0,
     "self_attn.o_proj.weight": 1,
     "mlp.gate_proj.weight": 0,
     "mlp.up_proj.weight": 0,

@@ -163,7 +163,8 @@ def linear(dim_in: int, dim_out: int, quantization: Quantization = None, bias: b
 
 def absorbed_linear(dim_in: int, dim_out: int, quantization: Quantization = None, bias: bool = False) -> nn.Module:
     """A linear whose weight the model reads as a matrix (linear_weight: absorbed attention
-    projections): fp8 as the checkpoint keeps it, never int-quantized (the int layouts are the kernels')."""
+    projections): fp8 as the checkpoint keeps it, never int-quantized as it is (the int layouts
+    are the kernels'; V3's MLA stores int codes cut from it instead)."""
     return linear(dim_in, dim_out, quantization if isinstance(quantization, Fp8Blocks) else None, bias)
 
 

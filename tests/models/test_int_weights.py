@@ -54,8 +54,22 @@ def test_quantized_weights_are_codes_and_the_head_is_optional():
     assert layer.self_attn.q_b_proj.weight.dtype == torch.int8  # 96 inputs, not groups of 64: int8 instead
     assert layer.mlp.experts_down.dtype == torch.uint8 and layer.mlp.experts_down_qscale.shape == (8, 192, 2, 2)
     assert layer.mlp.experts_gate_up.shape == (8, 256, 96) and layer.mlp.experts_gate_up_qscale.shape == (8, 256, 3, 2)
-    assert model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.float32  # read as a matrix: kept
+    # kv_b_proj per head, as the kernels take it: w_uk [H, R, n] (32 inputs: int8), w_uv [H, v, R] (int4)
+    assert layer.self_attn.w_uk.dtype == torch.int8 and layer.self_attn.w_uv.dtype == torch.uint8
+    assert layer.self_attn.w_uk.shape == (4, 64, 32) and layer.self_attn.w_uv_qscale.shape == (4, 32, 1, 2)
+    assert not hasattr(layer.self_attn, "kv_b_proj")
     assert model.embed.weight.dtype == torch.float32 and model.head.lm_head.weight.dtype == torch.float32
+
+
+def test_the_up_projections_are_kv_b_projs_heads_as_the_kernels_take_them():
+    """An int model's w_uk holds each head's key block of the checkpoint's kv_b_proj transposed
+    ([R, n]: the kernels reduce over a row's inputs) and w_uv its value block [v, R], each within
+    int8's rounding of the float weight."""
+    w_uk, w_uv = build_model(checkpoint=CHECKPOINT).layers[1].self_attn.absorbed(torch.float32)  # [H, n, R], [H, v, R]
+    attention = build_model(checkpoint=CHECKPOINT, quantize="int8").layers[1].self_attn
+    for codes, scales, weight in ((attention.w_uk, attention.w_uk_qscale, w_uk.transpose(1, 2)), (attention.w_uv, attention.w_uv_qscale, w_uv)):
+        assert codes.shape == weight.shape
+        assert ((int_matmul.values(codes, scales, torch.float32) - weight).abs() <= scales.float()[..., None] * 0.51).all()
 
 
 def test_small_int8_linears_are_computed_in_the_graph_from_codes_in_row_order():

@@ -15,7 +15,7 @@ import torch
 from deepinfer.models import read_weight, stored_dtype
 from deepinfer.models.checkpoint import TORCH_DTYPES, SafetensorsDir
 from deepinfer.models.int_weights import SCALE as INT_SCALE
-from deepinfer.models.int_weights import derived_source, int8_cut_by_columns, quantized, source_name
+from deepinfer.models.int_weights import float_source, int8_cut_by_columns, quantized, source_name
 from deepinfer.models.parallel import Layout, rank_buffers, shard
 from deepinfer.models.quantization import SCALE_SUFFIX
 
@@ -130,7 +130,7 @@ def transformed(read_slice, transform, full):
 
 def int_quantized(read_slice, read_whole, specs: Specs, layout: Layout, group: int, full):
     """model.quantize's codes and scales (models/int_weights.py) made from each rank's float slice
-    as they are written, or from another weight's (`derived_source` in `full`, the float model);
+    as they are written, or from another weight's (`float_source` in `full`, the float model);
     other tensors pass through. A weight cut by columns (row-parallel) and quantized per row is
     read whole (`read_whole(name)`), so its scales are the whole rows': every rank's codes are the
     one-rank bundle's, cut. Codes and their scales come from one quantization (the file order keeps
@@ -148,9 +148,8 @@ def int_quantized(read_slice, read_whole, specs: Specs, layout: Layout, group: i
             if dtypes[origin] == torch.int8 and split and split[0] == dims[origin] - 1:
                 made = int8_cut_by_columns(origin, read_whole(origin), lambda codes: shard(origin, codes, layout, rank))
             else:
-                from_name, make = derived_source(full, origin)
-                weight = read_slice(from_name, rank)
-                made = quantized(origin, make(weight) if make else weight, dtypes[origin], group)
+                weight = float_source(full, origin, lambda source: read_slice(source, rank))
+                made = quantized(origin, weight, dtypes[origin], group)
             last.update(key=(origin, rank), made=made)
         return last["made"][name]
 

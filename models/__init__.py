@@ -27,7 +27,7 @@ from .deepseek_v4 import DeepseekV4
 from .deepseek_v4_config import TINY_V4_CONFIG, DeepseekV4Config
 from .moe import DEFAULT_CAPACITY, OVERFLOW_FORMS
 from .parallel import Layout, LayoutError
-from .int_weights import BITS, GROUPS, IntWeights, derived_source, quantized, source_name
+from .int_weights import BITS, GROUPS, IntWeights, float_source, quantized, source_name
 from .quantization import BLOCK, FP4, FP4_GROUP, FP8, SCALE_SUFFIX, blocks, dequantize, expand_rows, is_quantized_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -170,9 +170,8 @@ def _quantized_copy(arch: str, cfg, source):
         if origin != name or param.dtype in (torch.int8, torch.uint8):
             if origin not in made:
                 codes_dtype = model.get_parameter(origin).dtype
-                from_name, make = derived_source(model, origin)
-                weight = source.get_parameter(from_name)
-                made.update(quantized(origin, make(weight) if make else weight, codes_dtype, cfg.quantization.group))
+                weight = float_source(model, origin, source.get_parameter)
+                made.update(quantized(origin, weight, codes_dtype, cfg.quantization.group))
             tensor = made[name]
         else:
             tensor = source.get_parameter(name)

@@ -31,7 +31,6 @@ import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinf
 
 from . import context_parallel, int_weights
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
-from .int_weights import IntWeights
 from .moe import product, routed_experts
 from .parallel import Layout, moe_buffers
 from .prompt_scoring import PromptScorer
@@ -182,7 +181,7 @@ class MLAttention(nn.Module):
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
 
     # The int-quantized model's up-projections, made from the checkpoint's kv_b_proj [H * (n + v), R]
-    # as the bundle is written (models/int_weights.py derived_source): each head's w_uk transposed,
+    # as the bundle is written (models/int_weights.py float_source): each head's w_uk transposed,
     # [H, R, n], so that the kernels reduce over their rows' inputs, and w_uv, [H, v, R].
     derived_weights = {"w_uk": ("kv_b_proj.weight", lambda self, w: self.per_head(w)[:, :self.nope].transpose(1, 2)),
                        "w_uv": ("kv_b_proj.weight", lambda self, w: self.per_head(w)[:, self.nope:])}
@@ -192,7 +191,7 @@ class MLAttention(nn.Module):
         read per head by the kernels as a stack of experts: a float kv_b_proj was 4.2 of the 52.5 MB
         an int4 decode token of the 190M read, as llama.cpp's q4_0 quantizes its attn_k_b / attn_v_b."""
         R, n, v = self.kv_lora_rank, self.nope, self.v_dim
-        return isinstance(q, IntWeights) and bool(int_weights.layer_bits(n, R, q) and int_weights.layer_bits(R, v, q))
+        return isinstance(q, int_weights.IntWeights) and bool(int_weights.layer_bits(n, R, q) and int_weights.layer_bits(R, v, q))
 
     def per_head(self, w: torch.Tensor) -> torch.Tensor:
         """A slice of kv_b_proj's weight, [heads * (n + v), R] -> [heads, n + v, R]."""

@@ -8,7 +8,7 @@ q8_0 and q4_0 quantize it too: at small sizes it is most of the bytes a token re
 embedding (a lookup of one row a token), the router (float32 as in HF), the norms, and a weight
 the attention reads as a matrix (V4's wo_a): those stay in the recipe's dtype. V3's kv_b_proj,
 absorbed into the queries and the output per head, is stored as two stacks of per-head weights
-made from it as they are read (`derived_source`), which the kernels take as experts.
+made from it as they are read (`float_source`), which the kernels take as experts.
 
     int8  per output channel, symmetric: codes int8 in -127..127 and one bfloat16 scale per row
           [out]; w = code x scale; the codes [..., out, in] with rows of 8 interleaved,
@@ -42,7 +42,6 @@ weight cut by columns is taken over its whole rows (the reader hands over the wh
 """
 
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -226,11 +225,11 @@ def source_name(name: str) -> str:
     return name.removesuffix(SCALE)
 
 
-def derived_source(model: nn.Module, name: str):
-    """(the float model's parameter, make) for an int-quantized model's weight `name` that is made
-    from another as it is read (a module's `derived_weights` {name: (source name, make(module,
-    source slice))}: MLA's up-projections cut per head), else (name, None)."""
+def float_source(model: nn.Module, name: str, read) -> torch.Tensor:
+    """The float weight an int-quantized model's weight `name` is quantized from, `read(float name)`
+    reading the float model's: itself, or for a module's `derived_weights` {name: (source name,
+    make(module, source))} made from another (MLA's up-projections cut per head)."""
     prefix, _, leaf = name.rpartition(".")
     module = model.get_submodule(prefix)
     made = getattr(module, "derived_weights", {}).get(leaf)
-    return (name, None) if made is None else (f"{prefix}.{made[0]}", partial(made[1], module))
+    return read(name) if made is None else made[1](module, read(f"{prefix}.{made[0]}"))

@@ -110,11 +110,11 @@ def kernel_then_gemms(x: torch.Tensor, ends: torch.Tensor, E: int, features: int
         if min(run) == C:  # (no padding: a run's rows are consecutive in x)
             out[bounds[first]:bounds[last]] = gemms(x[bounds[first]:bounds[last]].view(len(run), C, -1), first).flatten(0, 1)
             continue
-        # [n * C]: each expert's rows, its first repeated as padding
-        rows = torch.tensor(bounds[first:last])[:, None] + torch.arange(C) * (torch.arange(C) < torch.tensor(run)[:, None])
+        place = torch.arange(C)
+        own = place < torch.tensor(run)[:, None]  # [n, C]: not padding
+        rows = torch.tensor(bounds[first:last])[:, None] + place * own  # [n, C]: each expert's rows, then its first as padding
         ys = gemms(x.index_select(0, rows.flatten()).view(len(run), C, -1), first).flatten(0, 1)  # [n * C, features]
-        own = torch.cat([torch.arange(i * C, i * C + count) for i, count in enumerate(run)])  # (not padding)
-        out[bounds[first]:bounds[last]] = ys.index_select(0, own)
+        out[bounds[first]:bounds[last]] = ys.index_select(0, own.flatten().nonzero().squeeze(1))
     return out
 
 

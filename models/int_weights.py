@@ -12,8 +12,7 @@ made from it as they are read (`float_source`), which the kernels take as expert
 
     int8  per output channel, symmetric: codes int8 in -127..127 and one bfloat16 scale per row
           [out]; w = code x scale; the codes [..., out, in] with rows of 8 interleaved,
-          runtime/int_matmul.py's INT8_LAYOUT (the manifest's quantization_config.int8_layout),
-          but for a linear of fewer than INT8_IN_GRAPH_BELOW weights: rows in order (below).
+          runtime/int_matmul.py's INT8_LAYOUT (the manifest's quantization_config.int8_layout).
     int4  per group of `group` inputs, asymmetric: q in 0..15 with w = (q - 8) x scale + zero
           (zero = min + 8 x scale), bfloat16 (scale, zero) per group, [..., out, in/group, 2]; the
           codes two a byte, [..., out, in/2]; both with rows of 8 interleaved, INT4_LAYOUT
@@ -25,13 +24,12 @@ made from it as they are read (`float_source`), which the kernels take as expert
     decode step's experts are taken by id, never gathered. int4 products of
     int_matmul.DECODED_FROM_ROWS rows or more (prompt chunks) are bfloat16 GEMMs on the weight
     decoded first.
-    A small int8 linear's one-row product (decode) is computed in the region's graph instead: its
-    codes widened to float32 in inductor's loops, one multiply-reduce fused with what computes
-    the row (a norm), the row scales once at the end; its products of more rows are a float32
-    product with the codes widened. A call of the kernel costs ~3 us at these sizes (AOTInductor's
-    proxy executor dispatching the custom op, the activations' quantization, its buffers), more
-    than a small fused reduction takes. int4 stays the kernel's: widening its nibbles in
-    inductor's loops cost more than the calls (the tiny V3's decode step 1.09x side by side).
+    Every int8 linear, however small, is the kernel's: a small one's decode row was once computed
+    in the region's graph (codes widened in inductor's loops), which spared a kernel call when a
+    call cost ~3 us, but made a prompt chunk's product a float32 GEMM on the codes widened, and
+    since the kernels are called as C functions the call costs less than that reduction (the
+    trained tiny V3 side by side, bench/bundle_ab_bench.py, an AMD EPYC: decode 0.79-0.93x, its
+    32-token prompt 0.65-0.76x with every int8 linear by the kernel).
     A layer whose shape a layout does not fit (both need outputs a multiple of 8 and inputs of
     32; int4's inputs a multiple of the group) takes the next: int4 -> int8 -> the recipe's float
     dtype, as llama.cpp falls back to another type for rows its blocks do not divide.
@@ -70,8 +68,7 @@ class IntWeights:
     def to_dict(self) -> dict:
         """What a manifest's model_config.quantization_config records."""
         int4 = {"group_size": self.group, "int4_layout": int_matmul.INT4_LAYOUT} if self.bits == 4 else {}
-        return {"quant_method": "deepinfer", "weights": self.name, **int4, "int8_layout": int_matmul.INT8_LAYOUT,
-                "int8_linears_in_row_order_below": INT8_IN_GRAPH_BELOW, "lm_head": self.head}
+        return {"quant_method": "deepinfer", "weights": self.name, **int4, "int8_layout": int_matmul.INT8_LAYOUT, "lm_head": self.head}
 
 
 def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,36 +89,6 @@ def int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, torch.stack([scale, zero], dim=-1).bfloat16()
 
 
-# int8 linears of fewer weights are computed in the graph from codes in row order (see the
-# module docstring), the size under which float32's one-row products stay inductor's reductions
-# too (compiler/backends/few_row_products.py ONE_ROW_FROM_WORK). The trained tiny V3's decode step
-# side by side (bench/bundle_ab_bench.py, an Intel Xeon with AMX): its linears in the graph 0.89x
-# the kernel's on a busy box, 0.96x on a quieter one; its dense MLP's ([1024, 192], [192, 512]) by
-# the kernel or in the graph the same; its [2048, 192] head stays the kernel's. The 190M's
-# smallest linear has 288K weights.
-INT8_IN_GRAPH_BELOW = 1 << 18
-
-
-def int8_in_graph(rows: int, columns: int) -> bool:
-    """Whether an int8 linear [rows, columns] is computed in the graph, its codes in row order."""
-    return rows * columns < INT8_IN_GRAPH_BELOW
-
-
-def int8_laid_out(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes [..., out, in] in row order -> as stored: in row order for a linear computed in
-    the graph, else in the kernel's INT8_LAYOUT."""
-    return codes if codes.dim() == 2 and int8_in_graph(*codes.shape) else int_matmul.pack_int8(codes)
-
-
-def int8_graph_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, in] float32 times row-order int8 codes [out, in] with their row scales -> [M, out]
-    float32. One row is an explicit multiply-reduce: inductor keeps the widening inside it
-    (through F.linear's mm it may write the widened weight to a buffer first)."""
-    if x.shape[0] == 1:
-        return (codes.float() * x).sum(-1)[None] * scales.float()
-    return torch.nn.functional.linear(x, codes.float()) * scales.float()
-
-
 def layer_bits(dim_in: int, dim_out: int, spec: IntWeights) -> int | None:
     """The bits a layer of this shape takes: the recipe's where its layout fits (outputs a multiple
     of 8, inputs of 32, int4's of the group), else int8 where that fits, else None (float)."""
@@ -136,17 +103,12 @@ class IntLinear(nn.Module):
     def __init__(self, dim_in: int, dim_out: int, spec: IntWeights):
         super().__init__()
         self.bits = layer_bits(dim_in, dim_out, spec)
-        self.in_graph = self.bits == 8 and int8_in_graph(dim_out, dim_in)
         codes, scales = empty_codes((dim_out, dim_in), self.bits, spec.group)
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_qscale = nn.Parameter(scales, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.in_graph:
-            out = int8_graph_product(rows.float(), self.weight, self.weight_qscale)
-        else:
-            out = int_matmul.product(rows, self.weight, self.weight_qscale)
+        out = int_matmul.product(x.reshape(-1, x.shape[-1]), self.weight, self.weight_qscale)
         return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
@@ -164,7 +126,7 @@ def int_tensors(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, t
     """A float weight [..., out, in] -> its (codes, scales) as empty_codes lays them out."""
     if bits == 8:
         codes, scales = int8_codes(w)
-        return int8_laid_out(codes), scales
+        return int_matmul.pack_int8(codes), scales
     return int_matmul.pack_int4(*int4_codes(w, group))
 
 
@@ -212,7 +174,7 @@ def int8_cut_by_columns(name: str, whole: torch.Tensor, cut) -> dict[str, torch.
     """An int8 weight `name` cut by columns over ranks: codes quantized over its whole rows (the
     scales the whole rows'), `cut(codes)` the rank's columns, laid out -> {name: codes, name_qscale: scales}."""
     codes, scales = int8_codes(whole)
-    return {name: int8_laid_out(cut(codes)), name + SCALE: scales}
+    return {name: int_matmul.pack_int8(cut(codes)), name + SCALE: scales}
 
 
 def is_int_param(tensor: torch.Tensor, name: str) -> bool:

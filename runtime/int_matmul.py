@@ -63,7 +63,9 @@ import torch
 from . import knobs
 
 INT4_LAYOUT = "int4-rows-of-8"  # the manifest's quantization_config.int4_layout for the layout above
-INT8_LAYOUT = "int8-rows-of-8"  # and its int8_layout
+# and its int8_layout: every int8 weight in it (an earlier deepinfer's "int8-rows-of-8" kept linears of
+# fewer than int8_linears_in_row_order_below weights in row order)
+INT8_LAYOUT = "int8-rows-of-8-every-linear"
 ROWS = 8  # weight rows interleaved
 BLOCK = 32  # activation columns sharing an int8 scale
 # From this many rows an int4 product is faster as a bfloat16 GEMM on the weight decoded by

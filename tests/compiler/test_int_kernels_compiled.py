@@ -1,8 +1,7 @@
 """int8 and int4 linears and experts call deepinfer's kernels (runtime/int_matmul.py) from inductor's
 compiled code: a decode step's experts by id, never gathered or decoded; a prompt chunk's int4
-linears decode the weight for a bf16 GEMM in a graph torch.export can save. Small int8 linears
-are computed in the graph instead (models/int_weights.py INT8_IN_GRAPH_BELOW). AOTInductor's code
-calls the kernels as C functions."""
+linears decode the weight for a bf16 GEMM in a graph torch.export can save. AOTInductor's code calls the
+kernels as C functions."""
 
 import os
 import subprocess
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.compiler.backends import inductor
-from deepinfer.models.int_weights import INT8_IN_GRAPH_BELOW, IntExperts, IntLinear, IntWeights, int_tensors
+from deepinfer.models.int_weights import IntExperts, IntLinear, IntWeights, int_tensors
 from deepinfer.models.moe import gathered
 from deepinfer.runtime import int_matmul
 from deepinfer.runtime.backends import inductor as inductor_runtime
@@ -22,7 +21,7 @@ from deepinfer.runtime.int_matmul import DECODED_FROM_ROWS
 from tests.compiler.test_gathered_matvec import compiled_code
 from tests.conftest import ROOT
 
-BIG = INT8_IN_GRAPH_BELOW // 64  # a linear's outputs from 64 inputs that int8 too takes to the kernel
+OUT = 96  # a linear's outputs
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -30,8 +29,8 @@ def test_linears_and_experts_call_the_kernel_from_compiled_code(bits):
     torch.manual_seed(0)
     E, k, D, I = 16, 4, 64, 128
     gate_up, down = int_tensors(torch.randn(E, 2 * I, D), bits, 32), int_tensors(torch.randn(E, D, I), bits, 32)
-    linear = IntLinear(D, BIG, IntWeights(bits))
-    linear.weight.data, linear.weight_qscale.data = int_tensors(torch.randn(BIG, D), bits, 32)
+    linear = IntLinear(D, OUT, IntWeights(bits))
+    linear.weight.data, linear.weight_qscale.data = int_tensors(torch.randn(OUT, D), bits, 32)
 
     def decode_step(x, weights, ids, codes_gate_up, scales_gate_up, codes_down, scales_down):
         y = gathered(x, weights, ids, lambda ids: IntExperts(codes_gate_up, scales_gate_up, ids),
@@ -48,28 +47,13 @@ def test_linears_and_experts_call_the_kernel_from_compiled_code(bits):
 def test_a_prompt_chunks_linear_saves_through_torch_export(tmp_path, bits):
     """Many rows: int8 by the kernel still (faster than a GEMM at every prompt size measured), int4
     by a bf16 GEMM on the weight decoded."""
-    linear = IntLinear(64, BIG, IntWeights(bits))
-    linear.weight.data, linear.weight_qscale.data = int_tensors(torch.randn(BIG, 64), bits, 32)
+    linear = IntLinear(64, OUT, IntWeights(bits))
+    linear.weight.data, linear.weight_qscale.data = int_tensors(torch.randn(OUT, 64), bits, 32)
     x = torch.randn(DECODED_FROM_ROWS, 64)
     program = torch.export.export(linear, (x,))
     torch.export.save(program, tmp_path / "linear.pt2")
     torch.testing.assert_close(torch.export.load(tmp_path / "linear.pt2").module()(x), linear(x))
     assert ("int8_matmul" in str(program.graph)) == (bits == 8) and "int4_matmul" not in str(program.graph)
-
-
-def test_a_small_int8_linears_decode_row_is_one_reduction_in_the_compiled_code():
-    """No kernel call and no GEMM: the codes widened inside inductor's reduction."""
-    torch.manual_seed(0)
-    linear = IntLinear(192, 96, IntWeights(8))
-    linear.weight.data, linear.weight_qscale.data = int_tensors(torch.randn(96, 192), 8, 32)
-
-    def decode_step(x, norm):
-        return linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * norm)
-
-    args = (torch.randn(1, 192), torch.rand(192))
-    got, code = compiled_code(decode_step, *args)
-    torch.testing.assert_close(got, decode_step(*args), atol=1e-4, rtol=1e-4)
-    assert "int8_matmul" not in code and "extern_kernels." not in code, code
 
 
 class EveryKernel(torch.nn.Module):

@@ -72,29 +72,25 @@ def test_the_up_projections_are_kv_b_projs_heads_as_the_kernels_take_them():
         assert ((int_matmul.values(codes, scales, torch.float32) - weight).abs() <= scales.float()[..., None] * 0.51).all()
 
 
-def test_small_int8_linears_are_computed_in_the_graph_from_codes_in_row_order():
-    """A decode row through a small int8 linear calls no kernel and is x times the weight the codes
-    hold (in float32, the row unquantized); a big one's codes are in the kernel's layout and its
-    row goes to the kernel. Prompt rows take the same codes."""
+def test_every_int8_linear_is_the_kernels_whatever_its_size():
+    """A small int8 linear's codes are in the kernel's layout as a big one's, and its decode row and
+    prompt rows go to the kernel: x times the weight the codes hold, within the 8-bit activations' rounding."""
     from tests.models.test_moe import OpCalls
 
     spec = int_weights.IntWeights(8)
-    for dim_in, dim_out, in_graph in ((192, 96, True), (512, 512, False)):
+    for dim_in, dim_out in ((192, 96), (512, 512)):
         w = torch.randn(dim_out, dim_in)
         linear = int_weights.IntLinear(dim_in, dim_out, spec)
         linear.weight.data, linear.weight_qscale.data = int_weights.int_tensors(w, 8, 32)
         codes, scales = int_weights.int8_codes(w)
-        assert torch.equal(linear.weight, codes if in_graph else int_matmul.pack_int8(codes)) and linear.in_graph == in_graph
+        assert torch.equal(linear.weight, int_matmul.pack_int8(codes))
         weight = codes.float() * scales.float()[:, None]
         for rows in (1, 5):
             x = torch.randn(rows, dim_in)
             with OpCalls() as calls:
                 out = linear(x)
-            assert ("deepinfer::int8_matmul" in calls.names) != in_graph, calls.names
-            if in_graph:
-                torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
-            else:  # (the kernel's activations are int8 blocks)
-                assert (out - x @ weight.T).abs().max() < 0.02 * (x @ weight.T).abs().max()
+            assert "deepinfer::int8_matmul" in calls.names, calls.names
+            assert (out - x @ weight.T).abs().max() < 0.02 * (x @ weight.T).abs().max()
 
 
 # Prompts of 5 tokens and more: the eager model computes them in the dense and exact forms, int8
@@ -145,14 +141,22 @@ def equal_but_at_a_near_tie(model, prompt: list[int], got: list[int], expected: 
     return float(best.values[0] - best.values[1]) < margin and got[at] in best.indices.tolist()
 
 
-@pytest.mark.parametrize("quantize, key", [("int4", "int4_layout"), ("int8", "int8_layout")])
-def test_integer_weights_in_another_layout_are_refused(code_bundles, tmp_path, quantize, key):
-    """A bundle an earlier deepinfer wrote: its manifest names no layout (rows in order, for ATen's kernels)."""
+@pytest.mark.parametrize("quantize, key, earlier", [("int4", "int4_layout", None), ("int8", "int8_layout", None),
+                                                   ("int8", "int8_layout", "int8-rows-of-8")])
+def test_integer_weights_in_another_layout_are_refused(code_bundles, tmp_path, quantize, key, earlier):
+    """A bundle an earlier deepinfer wrote: its manifest names no layout (rows in order, for ATen's
+    kernels), or int8's rows of 8 with the small linears' rows in order."""
     from tests.runtime.test_bundle_trust import edit_manifest
 
     bundle = shutil.copytree(code_bundles[quantize].bundle, tmp_path / "bundle")
-    edit_manifest(bundle, lambda body: body["model_config"]["quantization_config"].pop(key))
-    with pytest.raises(BundleError, match=rf"{quantize} weights are in the layout an earlier deepinfer's, for ATen's kernels "
+
+    def as_written_earlier(body):
+        quantization = body["model_config"]["quantization_config"]
+        quantization.pop(key) if earlier is None else quantization.update({key: earlier})
+
+    edit_manifest(bundle, as_written_earlier)
+    found = earlier or "an earlier deepinfer's, for ATen's kernels"
+    with pytest.raises(BundleError, match=rf"{quantize} weights are in the layout {found} "
                                           rf"\(manifest model_config.quantization_config.{key}\).* Compile the recipe again"):
         BundleExecutor(bundle)
 

@@ -97,7 +97,7 @@ def test_int8_pack_interleaves_rows_of_8_and_unpack_undoes_it():
     packed = int_matmul.pack_int8(codes)
     assert packed[1].flatten()[8 * 64 + 3 * 32 + 4 * 5 + 2] == codes[1, 13, 14]  # expert 1, row block 1, unit 3, row 5, i 2
     assert torch.equal(int_matmul.unpack_int8(packed), codes)
-    w = torch.randn(2, 16, 64)  # (stacked experts: a small linear's codes stay in row order, test_int_weights)
+    w = torch.randn(2, 16, 64)
     stored, scales = int_tensors(w, 8, 32)
     assert torch.equal(int_matmul.unpack_int8(stored), int8_codes(w)[0]) and torch.equal(scales, int8_codes(w)[1])
 

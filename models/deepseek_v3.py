@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deepinfer.runtime.collectives  # noqa: F401  (registers torch.ops.deepinfer.*)
+from deepinfer.runtime import int_matmul
 
 from . import context_parallel, int_weights
 from .deepseek_v3_config import DeepseekV3Config, RopeConfig, yarn_mscale
@@ -166,18 +167,18 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope, cos, sin, self.interleaved)  # [T, r]
         new = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C]
         if self.cp > 1:
-            out_latent = self.attend_striped(q_nope, q_rope, new, positions, write_slots, read_slots, kv)
+            out = self.value_heads(self.attend_striped(q_nope, q_rope, new, positions, write_slots, read_slots, kv))
         else:
             kv.index_put_((write_slots, positions), new)
             rows = kv.index_select(0, read_slots)  # [1 or T, L, C]
-            q_latent = self.query_latents(q_nope)  # [T, H, R]
-            scores = self.scores(q_latent, q_rope, rows)  # [T, H, L]
             visible = torch.arange(rows.shape[1], device=rows.device)[None, :] <= positions[:, None]  # [T, L]
-            scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
-            probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
-            out_latent = self.weighted(probs, rows)  # [T, H, R]
-        out = self.value_heads(out_latent)  # [T, H, v]
-        out = self.o_proj(out.flatten(1))
+            if self.expands(T, rows.shape[0]):
+                out = self.attend_expanded(q_nope, q_rope, rows[0], visible)
+            else:
+                q_latent = self.query_latents(q_nope)  # [T, H, R]
+                scores = self.scores(q_latent, q_rope, rows)  # [T, H, L]
+                out = self.value_heads(self.weighted(self.probabilities(scores, visible[:, None, :]), rows))
+        out = self.o_proj(out.flatten(1))  # (out [T, H, v])
         return torch.ops.deepinfer.all_reduce(out, "tp") if self.tp > 1 else out
 
     # The int-quantized model's up-projections, made from the checkpoint's kv_b_proj [H * (n + v), R]
@@ -199,9 +200,13 @@ class MLAttention(nn.Module):
 
     def absorbed(self, dtype):
         """The up-projections absorbed into the query and the output (attention in the latent
-        space instead of expanding K and V): w_uk [H, n, R], w_uv [H, v, R]."""
-        w_kv_b = linear_weight(self.kv_b_proj, dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w_kv_b.split([self.nope, self.v_dim], dim=1)
+        space instead of expanding K and V): w_uk [H, n, R], w_uv [H, v, R], in dtype however stored."""
+        if hasattr(self, "kv_b_proj"):
+            w_kv_b = linear_weight(self.kv_b_proj, dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            return w_kv_b.split([self.nope, self.v_dim], dim=1)
+        w_uk, w_uv = (expert_weights(self, name, dtype, self.quantization)() for name in ("w_uk", "w_uv"))
+        w_uk, w_uv = (int_matmul.values(w.codes, w.scales, dtype) if isinstance(w, int_weights.IntExperts) else w for w in (w_uk, w_uv))
+        return w_uk.transpose(1, 2), w_uv
 
     def query_latents(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, n] -> [T, H, R], each head's through its w_uk (int codes: the kernel, the
@@ -226,6 +231,34 @@ class MLAttention(nn.Module):
         B, L, C = rows.shape
         queries = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, C]
         return torch.matmul(queries.reshape(B, -1, C), rows.mT).view(q_latent.shape[0], self.n_heads, L)
+
+    def probabilities(self, scores, visible):
+        """Scores over the cached rows -> their softmax in the scores' dtype (float32 inside), the rows
+        a query may not see (`visible` False, broadcast to the scores) at zero."""
+        scores = (scores * self.scale).masked_fill(~visible, float("-inf"))
+        return scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
+
+    def expands(self, queries: int, sequences: int) -> bool:
+        """Whether a step's attention expands the cached latents into each head's keys and values
+        (attend_expanded) rather than attending in the latent space: a prompt chunk (one sequence)
+        of T queries over L rows costs T H L (n + r + v) multiply-adds that way, plus L H R (n + v)
+        to expand, against T H L (2 R + r) absorbed; fewer from T > R (n + v) / (2 R - n - v), as
+        vLLM and SGLang compute MLA's prefill (the 190M: 85 rows; V3: 171)."""
+        R, n, v = self.kv_lora_rank, self.nope, self.v_dim
+        return sequences == 1 and queries * (2 * R - n - v) > R * (n + v)
+
+    def attend_expanded(self, q_nope, q_rope, rows, visible):
+        """A long prompt chunk's queries [T, H, n], [T, H, r] over its sequence's cached rows [L, C]
+        (latent, then rope key), each head's keys and values expanded from the latents as HF's
+        DeepseekV3Attention computes them -> [T, H, v]."""
+        H, L = self.n_heads, rows.shape[0]
+        latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [L, R], [L, r]
+        w_uk, w_uv = self.absorbed(rows.dtype)
+        keys = torch.cat([torch.einsum("lr,hnr->hln", latent, w_uk), k_rope.expand(H, L, self.rope_dim)], dim=-1)  # [H, L, n + r]
+        values = torch.einsum("lr,hvr->hlv", latent, w_uv)  # [H, L, v]
+        queries = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [H, T, n + r]
+        probs = self.probabilities(torch.matmul(queries, keys.mT), visible[None])  # [H, T, L]
+        return torch.matmul(probs, values).transpose(0, 1)
 
     def weighted(self, probs, rows):
         """probs [T, H, L] over the rows' latents ([B, L, C]'s first R columns) -> [T, H, R]."""

@@ -73,10 +73,14 @@ def pair(request, tmp_path_factory):
     return name, hf, build_model(checkpoint=directory)
 
 
+@pytest.mark.parametrize("chunk", [8, 32], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long", "repeat"])
-def test_prefill_then_decode_matches_hf_full_forward(pair, prompt):
+def test_prefill_then_decode_matches_hf_full_forward(pair, prompt, chunk):
+    """Chunks of 8 attend in the latent space; chunks of 32 expand each head's keys and values
+    from the cached latents (32 queries, past BASE's 24.9)."""
     name, hf, ours = pair
-    tokens, our_logits = greedy(ours, prompt, STEPS, chunk=8)
+    assert ours.layers[0].self_attn.expands(chunk, 1) == (chunk == 32)
+    tokens, our_logits = greedy(ours, prompt, STEPS, chunk=chunk)
     with torch.no_grad():
         hf_logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]  # [STEPS, V]
     diff = (our_logits - hf_logits).abs().max().item()

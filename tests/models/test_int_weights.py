@@ -72,6 +72,21 @@ def test_the_up_projections_are_kv_b_projs_heads_as_the_kernels_take_them():
         assert ((int_matmul.values(codes, scales, torch.float32) - weight).abs() <= scales.float()[..., None] * 0.51).all()
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_long_chunk_expands_the_int_heads_keys_and_values_as_the_absorbed_form_attends(quantize):
+    """A 96-token chunk (past the tiny V3's 64) attends with each head's keys and values expanded by
+    the int heads' weights decoded; chunks of 16 attend in the latent space, the kernels' 8-bit
+    activations rounding q and the latents: the same tokens, logits within that rounding."""
+    from tests.models.conftest import greedy
+
+    model = build_model(checkpoint=CHECKPOINT, quantize=quantize)
+    assert model.layers[0].self_attn.expands(96, 1) and not model.layers[0].self_attn.expands(16, 1)
+    prompt = list(range(5, 101))
+    (expanded, expanded_logits), (absorbed, absorbed_logits) = (greedy(model, prompt, 6, chunk=chunk) for chunk in (96, 16))
+    assert expanded == absorbed
+    assert (expanded_logits - absorbed_logits).abs().max() < 0.02 * absorbed_logits.abs().max()
+
+
 def test_every_int8_linear_is_the_kernels_whatever_its_size():
     """A small int8 linear's codes are in the kernel's layout as a big one's, and its decode row and
     prompt rows go to the kernel: x times the weight the codes hold, within the 8-bit activations' rounding."""

@@ -113,6 +113,45 @@ struct QuantizedRows {
 };
 
 // (group 0: no group sums, int8's weights having no zeros)
+#if defined(__AVX2__)
+// A block's 32 values in four vectors: its absolute max, codes rounded to nearest even (the
+// conversion's default, as nearbyint) and saturated into bytes, their sum, and the values' float
+// sum for the groups. In plain C++ IEEE order kept the max and the sums scalar: 2.1x slower (a row
+// of 512, g++ -O3 on an AMD EPYC), a third of a tiny model's 32-row int4 [96, 192] product.
+void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, float* scales, int32_t* code_sums, float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // (the packs work within 128-bit lanes)
+  for (int64_t g = 0; group > 0 && g < in / group; ++g) sums[g] = 0.f;
+  for (int64_t b = 0; b < in / BLOCK; ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(x + b * BLOCK + 8 * k);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+      total = _mm256_add_ps(total, v[k]);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float block_max = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const __m256 inverse = _mm256_set1_ps(block_max > 0.f ? 127.f / block_max : 0.f);
+    __m256i q[4], code_total = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));
+      code_total = _mm256_add_epi32(code_total, q[k]);
+    }
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * BLOCK), _mm256_permutevar8x32_epi32(bytes, byte_order));
+    __m128i c = _mm_add_epi32(_mm256_castsi256_si128(code_total), _mm256_extracti128_si256(code_total, 1));
+    c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0x4E));
+    scales[b] = block_max / 127.f;
+    code_sums[b] = _mm_cvtsi128_si32(_mm_add_epi32(c, _mm_shuffle_epi32(c, 0xB1)));
+    if (group > 0) {
+      __m128 t = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+      sums[b * BLOCK / group] += _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+  }
+}
+#else
 void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, float* scales, int32_t* code_sums, float* sums) {
   for (int64_t b = 0; b < in / BLOCK; ++b) {
     const float* block = x + b * BLOCK;
@@ -133,6 +172,7 @@ void quantize_row(const float* x, int64_t in, int64_t group, int8_t* codes, floa
     sums[g] = sum;
   }
 }
+#endif
 
 float scale_of(uint32_t pair) { return bits_to_float(pair << 16); }          // (scale, zero) bfloat16 pair:
 float zero_of(uint32_t pair) { return bits_to_float(pair & 0xFFFF0000u); }  // scale in the low half

@@ -18,9 +18,10 @@ llama-quantize. Both sides run 2 threads, one sequence, and take turns in rounds
 
 Each TPOT also against the floor: the bytes a token must read -- the weights' (the compile summary's
 "read per decode token") and the KV cache's rows up to its position -- over this box's read
-bandwidth (a float32 sum over 512 MiB on huge pages), measured at the start of every round, next to
-the times it judges: the box's neighbours move both by 15-30% within the hour, so each round's TPOT
-is divided by that round's floor and the table gives the median of those ratios.
+bandwidth (a float32 sum over 512 MiB on huge pages), measured just before each pair of TPOT times it
+judges: the box's neighbours move both by 15-30% within the hour (and the sum, on an AMD EPYC, by
+up to 2x between rounds a minute apart), so each round's TPOT, ours and llama.cpp's, is divided by
+the floor measured next to it and the table gives the median of those ratios for each side.
 """
 
 import argparse
@@ -151,29 +152,32 @@ def bench_model(name: str, checkpoint: Path, llama: LlamaCpp, work: Path, format
     for executor, _, _ in sides.values():  # warm
         decode_ms(executor, 32)
     times = {(ours, m): ([], []) for ours in formats for m in MEASURES}
-    bandwidths = []
+    bandwidths = {(ours, m): [] for ours in formats for m in MEASURES if m.startswith("TPOT")}
     for _ in range(ROUNDS):
-        bandwidths.append(read_bandwidth())
         for ours, (executor, gguf, _) in sides.items():
             for measure, (mine, theirs) in MEASURES.items():
+                if (ours, measure) in bandwidths:  # (the box's rate now, next to the two times it judges)
+                    bandwidths[ours, measure].append(read_bandwidth())
                 times[ours, measure][0].append(mine(executor))
                 times[ours, measure][1].append(theirs(llama, gguf))
+    rates = [b for measured in bandwidths.values() for b in measured]
     print(f"\n{name}, ms (median of {ROUNDS} rounds), 2 threads; floor = the weight and KV cache bytes a token reads over "
-          f"the round's read bandwidth ({min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s; the median floor shown), "
-          "deepinfer / floor the median of the rounds' ratios")
-    print("| weights | measure | deepinfer | llama.cpp | ratio | floor | deepinfer / floor |")
-    print("|---|---|---|---|---|---|---|")
+          f"the read bandwidth measured just before each TPOT pair ({min(rates):.1f}-{max(rates):.1f} GB/s; the median floor "
+          "shown); each side's / floor the median of its rounds' ratios")
+    print("| weights | measure | deepinfer | llama.cpp | ratio | floor | deepinfer / floor | llama.cpp / floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for ours, (executor, _, summary) in sides.items():
         for measure in MEASURES:
             mine, theirs = (statistics.median(t) for t in times[ours, measure])
-            floor = ratio = ""
+            floor = ours_to_floor = theirs_to_floor = ""
             if measure.startswith("TPOT"):
                 read = token_bytes(executor, summary, measure)
-                floors = [read / b / 1e6 for b in bandwidths]  # ms at each round's GB/s
+                floors = [read / b / 1e6 for b in bandwidths[ours, measure]]  # ms at each measured GB/s
                 floor = f"{statistics.median(floors):.3f}"
-                ratio = f"{statistics.median(t / f for t, f in zip(times[ours, measure][0], floors)):.2f}"
-            print(f"| {ours} / {PAIRS[ours][2]} | {measure} | {mine:.3f} | {theirs:.3f} | {mine / theirs:.2f} | {floor} | {ratio} |",
-                  flush=True)
+                ours_to_floor, theirs_to_floor = (f"{statistics.median(t / f for t, f in zip(side, floors)):.2f}"
+                                                  for side in times[ours, measure])
+            print(f"| {ours} / {PAIRS[ours][2]} | {measure} | {mine:.3f} | {theirs:.3f} | {mine / theirs:.2f} | {floor} | "
+                  f"{ours_to_floor} | {theirs_to_floor} |", flush=True)
     if "int8" in formats and "float32" in formats:
         int8, f32 = (statistics.median(times[f, "TPOT 32"][0]) for f in ("int8", "float32"))
         print(f"\nint8 TPOT at 32 / our float32's: {int8 / f32:.2f}")

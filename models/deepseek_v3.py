@@ -243,7 +243,7 @@ class MLAttention(nn.Module):
         (attend_expanded) rather than attending in the latent space: a prompt chunk (one sequence)
         of T queries over L rows costs T H L (n + r + v) multiply-adds that way, plus L H R (n + v)
         to expand, against T H L (2 R + r) absorbed; fewer from T > R (n + v) / (2 R - n - v), as
-        vLLM and SGLang compute MLA's prefill (the 190M: 85 rows; V3: 171)."""
+        vLLM and SGLang compute MLA's prefill (from 65 queries for the tiny V3, 86 for the 190M, 171 for V3)."""
         R, n, v = self.kv_lora_rank, self.nope, self.v_dim
         return sequences == 1 and queries * (2 * R - n - v) > R * (n + v)
 

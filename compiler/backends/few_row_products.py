@@ -47,7 +47,7 @@ import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch._inductor.pattern_matcher import Arg, CallFunction, PatternMatcherPass, register_graph_pattern
 
-from deepinfer.compiler.backends import blocked_matmul
+from deepinfer.compiler.backends import blocked_matmul, float32_products
 from deepinfer.runtime import int_matmul
 
 aten = torch.ops.aten
@@ -64,6 +64,18 @@ _VIEWS = {aten.permute.default, aten.t.default, aten.transpose.int, aten.view.de
           aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
 
 patterns = PatternMatcherPass(pass_name="deepinfer_few_row_products")
+
+
+# A bfloat16 weight of at most float32_products.SMALL_MATRIX elements (a tiny model's linears) takes
+# the kernel up to this many rows where the CPU has no AMX: past FEW_ROWS its product was MKL's
+# float32 GEMM on float32 copies (float32_products.py's small chunks), which on an AMD EPYC packs
+# the weight each call (perf, the trained tiny V3's bf16 32-token prompt: MKL's sgemm kernel,
+# packing and scaling 22% of it). Eager, 32 rows, us, the kernel / oneDNN's bf16 GEMM / the copies
+# and MKL: [96, 192] 14.5 / 21.8 / 28.4, [192, 128] 18.7 / 23.0 / 36.8; [512, 192] 45 / 39 / 88;
+# held to AVX2, the kernel / the copies and MKL: [96, 192] 23 / 29-34, [256, 256] 54 / 63. The tiny
+# V3's bf16 32-token prompt side by side (bench/bundle_ab_bench.py): 0.87x, its decode and 512-token
+# prompt 1.00x.
+SMALL_BF16_ROWS = 32
 
 
 @functools.cache
@@ -101,12 +113,20 @@ def stored(node: torch.fx.Node) -> bool:
     return node.op == "placeholder"
 
 
+def most_rows(weight: torch.Tensor) -> int:
+    """The most rows the kernel takes of a product with this float weight on this host."""
+    rows = few_rows()[weight.dtype]
+    if weight.dtype == torch.bfloat16 and weight.numel() <= float32_products.SMALL_MATRIX and "amx_tile" not in str(pick_vec_isa()):
+        return max(rows, SMALL_BF16_ROWS)
+    return rows
+
+
 def applies(x: torch.fx.Node, weight_t: torch.fx.Node, batched: bool = False) -> bool:
     values = blocked_matmul.weight_product(x, weight_t, batched)
     if values is None:
         return False
     xv, wv = values
-    return (xv.dtype in few_rows() and wv.dtype == xv.dtype and 1 <= xv.shape[0] <= few_rows()[xv.dtype]
+    return (xv.dtype in few_rows() and wv.dtype == xv.dtype and 1 <= xv.shape[0] <= most_rows(wv)
             and (xv.shape[0] > 1 or wv.numel() >= ONE_ROW_FROM_WORK) and int_matmul.takes_float(wv.t()) and stored(weight_t))
 
 

@@ -1,5 +1,5 @@
 """An inductor graph pass for CPU products of a few rows with a stored float weight: x [M, K] @ W.T,
-W a float32 or bfloat16 [N, K] region input and 1 <= M <= few_rows()[dtype], becomes deepinfer's
+W a float32 or bfloat16 [N, K] region input and 1 <= M <= most_rows(W), becomes deepinfer's
 few-row float kernel (runtime/int_matmul.py's float_matmul), which reads the weight once for all
 M rows as it lies, prefetching ahead, with no packing. So does a decode step's heads against one
 sequence's KV cache rows (MLA's scores: [H, C] @ rows.T, the rows a slot of the cache pool as
@@ -79,11 +79,16 @@ SMALL_BF16_ROWS = 32
 
 
 @functools.cache
+def isa_words() -> tuple[str, ...]:
+    """The vector ISA regions are compiled for here, as words ("avx512", "avx512_vnni", "amx_tile"; none where not x86's)."""
+    return tuple(str(pick_vec_isa()).split())
+
+
+@functools.cache
 def few_rows() -> dict:
-    """{dtype: the most rows the kernel takes} for this host's vector ISA ("avx512 avx512_vnni
-    amx_tile": its first word, and bfloat16 held to int_matmul.AMX_BF16_MOST_ROWS with AMX; none
-    where not x86's)."""
-    isa = str(pick_vec_isa()).split()
+    """{dtype: the most rows the kernel takes} for this host's vector ISA (its first word), bfloat16
+    held to int_matmul.AMX_BF16_MOST_ROWS with AMX."""
+    isa = isa_words()
     rows = dict(FEW_ROWS.get(isa[0] if isa else "", {}))
     if "amx_tile" in isa:
         rows[torch.bfloat16] = int_matmul.AMX_BF16_MOST_ROWS
@@ -116,7 +121,7 @@ def stored(node: torch.fx.Node) -> bool:
 def most_rows(weight: torch.Tensor) -> int:
     """The most rows the kernel takes of a product with this float weight on this host."""
     rows = few_rows()[weight.dtype]
-    if weight.dtype == torch.bfloat16 and weight.numel() <= float32_products.SMALL_MATRIX and "amx_tile" not in str(pick_vec_isa()):
+    if weight.dtype == torch.bfloat16 and weight.numel() <= float32_products.SMALL_MATRIX and "amx_tile" not in isa_words():
         return max(rows, SMALL_BF16_ROWS)
     return rows
 

@@ -33,7 +33,7 @@ def test_few_rows_of_a_stored_weight_call_the_kernel_with_eagers_result(dtype):
     # (one row of a weight of fewer than ONE_ROW_FROM_WORK elements stays inductor's reduction; a
     # small bfloat16 weight takes more rows than a big one without AMX: most_rows)
     most = {features: few_row_products.most_rows(torch.empty(features, 256, dtype=dtype)) for features in (256, 1024)}
-    assert dtype == torch.float32 or most[256] == (most[1024] if "amx_tile" in str(inductor.vector_isa()) else 32)
+    assert dtype == torch.float32 or most[256] == (most[1024] if "amx_tile" in few_row_products.isa_words() else 32)
     for features, rows, calls in ((1024, 1, 3), (256, 1, 0), (256, 8, 3), (256, most[256], 3), (256, most[256] + 1, 0),
                                   (1024, most[1024], 3), (1024, most[1024] + 1, 0)):
         w, bias = torch.randn(features, 256).to(dtype), torch.randn(features).to(dtype)

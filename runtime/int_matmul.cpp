@@ -24,10 +24,7 @@
 // (`aoti_torch_cpu_<op>`, at the end; compiler/backends/inductor.py's shims), without the proxy
 // executor's boxing: a tiny model's chain of int4 [192, 192] products 2.5 -> 1.9 us a call.
 
-#include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/ops.h>
-#include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/util/Exception.h>
+#include "kernel_abi.h"
 
 #include <algorithm>
 #include <cmath>
@@ -43,51 +40,8 @@
 
 namespace {
 
+using namespace deepinfer;
 using torch::stable::Tensor;
-
-// A tensor the caller holds (a stable::Tensor's handle, or one of AOTInductor's generated code),
-// read through the stable C ABI without taking a reference of its own.
-struct View {
-  AtenTensorHandle handle;
-
-  int64_t dim() const {
-    int64_t d;
-    STD_TORCH_CHECK(aoti_torch_get_dim(handle, &d) == AOTI_TORCH_SUCCESS, "aoti_torch_get_dim");
-    return d;
-  }
-  int64_t size(int64_t d) const {  // (d < 0 counts from the end)
-    int64_t n;
-    STD_TORCH_CHECK(aoti_torch_get_size(handle, d < 0 ? d + dim() : d, &n) == AOTI_TORCH_SUCCESS, "aoti_torch_get_size");
-    return n;
-  }
-  int64_t numel() const {
-    int64_t n;
-    STD_TORCH_CHECK(aoti_torch_get_numel(handle, &n) == AOTI_TORCH_SUCCESS, "aoti_torch_get_numel");
-    return n;
-  }
-  bool is(int32_t dtype) const {  // of this dtype (aoti_torch_dtype_*()) and contiguous
-    int32_t own;
-    bool contiguous;
-    STD_TORCH_CHECK(aoti_torch_get_dtype(handle, &own) == AOTI_TORCH_SUCCESS &&
-                    aoti_torch_is_contiguous(handle, &contiguous) == AOTI_TORCH_SUCCESS, "aoti_torch_get_dtype");
-    return own == dtype && contiguous;
-  }
-  void* data() const {
-    void* p;
-    STD_TORCH_CHECK(aoti_torch_get_data_ptr(handle, &p) == AOTI_TORCH_SUCCESS, "aoti_torch_get_data_ptr");
-    return p;
-  }
-};
-
-// A new uninitialized contiguous CPU tensor: a handle the caller owns.
-AtenTensorHandle empty(const std::vector<int64_t>& shape, int32_t dtype) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (int64_t d = int64_t(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
-  AtenTensorHandle out;
-  STD_TORCH_CHECK(aoti_torch_empty_strided(int64_t(shape.size()), shape.data(), strides.data(), dtype, aoti_torch_device_type_cpu(), 0,
-                                           &out) == AOTI_TORCH_SUCCESS, "aoti_torch_empty_strided");
-  return out;
-}
 
 constexpr int64_t BLOCK = 32;     // activation columns sharing one int8 scale
 constexpr int64_t ROWS = 8;       // weight rows interleaved (one a lane of 8 int32)
@@ -98,12 +52,6 @@ constexpr int64_t ROW_BLOCKS = 2; // row blocks a task takes (its weights stay i
 // region whose start costs more than the work (a tiny model's [96, 192] times one row, the op
 // from Python: 4.8 -> 3.6 us; 2x and 4x this minimum were slower from [512, 192] on).
 constexpr int64_t THREAD_MIN_WORK = 1 << 16;
-
-float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 struct QuantizedRows {
   std::vector<int8_t> codes;  // [X, in]
@@ -265,13 +213,6 @@ void block_dots(const uint8_t* w, const uint8_t* scales, const Activation* a, in
     }
 }
 #endif
-
-float bf16_to_float(uint16_t bits) { return bits_to_float(uint32_t(bits) << 16); }
-uint16_t float_to_bf16(float f) {  // (round to nearest even; weights and activations are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 #if defined(__AVX2__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -716,19 +657,6 @@ Tensor float_matmul_op(Tensor x, Tensor w, std::optional<Tensor> ids) {
   return Tensor(float_matmul(view(x), view(w), optional_view(ids ? ids->get() : nullptr, id)));
 }
 Tensor int4_values_op(Tensor codes, Tensor scale_zero) { return Tensor(int4_values(view(codes), view(scale_zero))); }
-
-// A C shim's body: its error said on stderr (the generated code that called it only learns that it
-// failed), as torch's own shims do.
-template <class Body>
-AOTITorchError shim(const char* op, Body body) {
-  try {
-    body();
-    return AOTI_TORCH_SUCCESS;
-  } catch (const std::exception& error) {
-    std::fprintf(stderr, "deepinfer::%s: %s\n", op, error.what());
-    return AOTI_TORCH_FAILURE;
-  }
-}
 
 }  // namespace
 

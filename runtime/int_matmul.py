@@ -82,7 +82,8 @@ DECODED_FROM_ROWS = 64
 # (compiler/backends/few_row_products.py, runtime/grouped_matmul.py).
 AMX_BF16_MOST_ROWS = 8
 AMX = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()  # (this host's, for the runtime's choices)
-SOURCE = Path(__file__).with_name("int_matmul.cpp")
+# The library's sources: these kernels, and runtime/latent_attention.py's, sharing kernel_abi.h.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int_matmul.cpp", "latent_attention.cpp", "kernel_abi.h"))
 log = logging.getLogger(__name__)
 
 # The kernels' C functions, as AOTInductor's generated code declares them (torch's naming,
@@ -240,7 +241,7 @@ def _host_key(command: list[str]) -> str:
     """What the built kernel depends on: its source, torch, the compiler, its flags and this CPU's features."""
     cpu = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
     version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
-    parts = [SOURCE.read_bytes(), torch.__version__, version, " ".join(command), cpu, os.uname().machine]
+    parts = [*(source.read_bytes() for source in SOURCES), torch.__version__, version, " ".join(command), cpu, os.uname().machine]
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:20]
 
 
@@ -251,7 +252,7 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler (g++ or c++ on PATH, or CXX)")
     torch_dir = Path(torch.__file__).parent
     command = [compiler, "-O3", f"-march={knobs.kernel_march()}", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
-               f"-I{torch_dir / 'include'}", str(SOURCE), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
+               f"-I{torch_dir / 'include'}", *(str(source) for source in SOURCES if source.suffix == ".cpp"), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
                f"-Wl,-rpath,{torch_dir / 'lib'}"]
     target = knobs.cache_dir() / "kernels" / f"int_matmul-{_host_key(command)}.so"
     if target.exists():

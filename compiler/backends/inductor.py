@@ -29,11 +29,12 @@ import torch
 import torch._inductor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.compiler.backends import (blocked_matmul, few_row_products, float32_products, fp8_decode, gathered_matvec,
-                                         one_row_views)
-from deepinfer.runtime import int_matmul
+from deepinfer.compiler.backends import (blocked_matmul, few_row_products, float32_products, fp8_decode, fused_attention,
+                                         gathered_matvec, one_row_views)
+from deepinfer.runtime import int_matmul, latent_attention
 
 EXTENSION = "aoti.pt2"
+C_SHIMS = {**int_matmul.C_SHIMS, **latent_attention.C_SHIMS}  # deepinfer's kernels, called as C functions
 INT_WEIGHTS = True  # model.quantize int8/int4: our CPU kernels (runtime/int_matmul.py) run in its regions
 
 # A decode step and a short prompt chunk multiply a few rows by each stored weight: memory-bound
@@ -80,7 +81,7 @@ def versions() -> dict:
     isa = vector_isa()
     return {"inductor_host": platform.machine(), "inductor_isa": isa,
             "inductor_bf16_products": "bfloat16" if native_bf16(isa) else "float32", "inductor_passes": passes_hash(),
-            "inductor_kernel_shims": hashlib.sha256(json.dumps(int_matmul.C_SHIMS).encode()).hexdigest()[:12]}
+            "inductor_kernel_shims": hashlib.sha256(json.dumps(C_SHIMS).encode()).hexdigest()[:12]}
 
 
 def vector_isa() -> str:
@@ -111,7 +112,7 @@ def compute_note(toolchain: dict, dtype: str, kept_quantized: bool) -> str | Non
     return "; ".join(notes) or None
 
 
-PASSES = (one_row_views, float32_products, few_row_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
+PASSES = (fused_attention, one_row_views, float32_products, few_row_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
 
 
 class GraphPasses(CustomGraphPass):
@@ -171,7 +172,7 @@ def compile(program, options: dict, out):
     # set globally before inductor loads it (this is the region's own worker process).
     torch._inductor.config.post_grad_fusion_options = options.get("post_grad_fusion_options", {})
     torch._inductor.config.post_grad_custom_pre_pass = graph_passes(not native_bf16(vector_isa()))
-    program = one_row_views.apply(program)
+    program = one_row_views.apply(fused_attention.apply(program))
     program._example_inputs = (example_inputs(program), {})  # AOTInductor insists on having some
     if any(node.target is torch.ops.higher_order.cond for node in program.graph.nodes):
         options = {**options, "memory_planning": False}  # (see DEFAULTS)
@@ -184,7 +185,7 @@ def kernel_shims() -> dict:
     """deepinfer's kernel ops -> the C functions the generated code calls for them directly: through
     AOTInductor's proxy executor (the op boxed, its tensors wrapped as stable-ABI handles) a call
     cost ~0.65 us more (a tiny model's chain of int4 [192, 192] products, 2.5 vs 1.9 us a call)."""
-    return {getattr(torch.ops.deepinfer, op).default: [declaration] for op, declaration in int_matmul.C_SHIMS.items()}
+    return {getattr(torch.ops.deepinfer, op).default: [declaration] for op, declaration in C_SHIMS.items()}
 
 
 @contextmanager

@@ -1,7 +1,8 @@
-"""deepinfer::int8_matmul, int4_matmul, int4_values and float_matmul (runtime/int_matmul.py): the kernels built
-here do the reference's arithmetic, in their AVX-512 (VNNI, BF16), AVX2 and plain C++ builds, and the
-integer ones stay within the activations' 8-bit rounding of the float product; without a compiler the
-reference runs, saying so."""
+"""deepinfer::int8_matmul, int4_matmul, int4_values and float_matmul (runtime/int_matmul.py), and the
+library's latent_attention (runtime/latent_attention.py): the kernels built here do the reference's
+arithmetic, in their AVX-512 (VNNI, BF16), AVX2 and plain C++ builds, and the integer ones stay
+within the activations' 8-bit rounding of the float product; without a compiler the reference
+runs, saying so."""
 
 import os
 import subprocess
@@ -147,9 +148,13 @@ def test_the_experts_gemms_go_in_runs_while_their_padding_is_cheap():
 
 CHECK = """
 import torch
-from deepinfer.runtime import int_matmul
+from deepinfer.runtime import int_matmul, latent_attention
 from tests.runtime.test_int_matmul import SHAPES, case, float_case
+from tests.runtime.test_latent_attention import CASES, case as attention_case
 print("built" if int_matmul.KERNEL_BUILT else "reference")
+for shape in CASES:
+    args = attention_case(*shape)
+    torch.testing.assert_close(torch.ops.deepinfer.latent_attention(*args), latent_attention.reference(*args), atol=2e-6, rtol=1e-5)
 for shape in SHAPES:
     for dtype in (torch.float32, torch.bfloat16):
         x, w, ids = float_case(*shape[:5], dtype)

@@ -123,7 +123,7 @@ constexpr int64_t BLOCK_KEYS = 16;  // cache rows scored before their values are
 constexpr int64_t THREAD_MIN_WORK = 1 << 16;
 
 // A task: query rows [M, C] (scaled) of one sequence over its cache rows [first, last), into a
-// partial result (`partial`, PARTIAL_WIDTH(M, V) floats): acc [M, V] (unnormalized), each query's
+// partial result (`partial`, partial_width(M, V) floats): acc [M, V] (unnormalized), each query's
 // running max [M] and sum of e^(score - max) [M], then room for a block's scores [M, BLOCK_KEYS].
 template <class T>
 struct Task {

@@ -41,9 +41,10 @@ chunk's float experts of few rows take it (runtime/grouped_matmul.py), and so do
 linears of up to 16-32 rows (compiler/backends/few_row_products.py): BLAS GEMMs of a few rows read
 the weights at half the memory's rate or less.
 
-The kernels (int_matmul.cpp) are compiled on the host that runs them, for its CPU (-march=native),
-once per source, torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels,
-~2 s); they use torch's own threads. Where no C++ compiler works, `reference` and `values` (the
+The kernels (int_matmul.cpp, with runtime/latent_attention.py's decode attention in the same
+library) are compiled on the host that runs them, for its CPU (-march=native), once per source,
+torch, compiler and CPU, into the compile cache (DEEPINFER_CACHE_DIR/kernels, ~3 s); they use
+torch's own threads. Where no C++ compiler works, `reference` and `values` (the
 same arithmetic in torch, slower) run instead, with a warning; AOTInductor regions that call the
 kernels cannot load there (`KERNEL_PROBLEM` says why): their compiled code calls the kernels'
 C functions (`C_SHIMS`) directly, which the library, loaded with its symbols global, provides.
@@ -252,8 +253,8 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler (g++ or c++ on PATH, or CXX)")
     torch_dir = Path(torch.__file__).parent
     command = [compiler, "-O3", f"-march={knobs.kernel_march()}", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
-               f"-I{torch_dir / 'include'}", *(str(source) for source in SOURCES if source.suffix == ".cpp"), f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10",
-               f"-Wl,-rpath,{torch_dir / 'lib'}"]
+               f"-I{torch_dir / 'include'}", *(str(source) for source in SOURCES if source.suffix == ".cpp"),
+               f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     target = knobs.cache_dir() / "kernels" / f"int_matmul-{_host_key(command)}.so"
     if target.exists():
         return target

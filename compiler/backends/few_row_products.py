@@ -8,7 +8,9 @@ float32_products.py's reductions (a long context), it was a BLAS call on a strid
 reduction for the rope columns. The 190M's decode at 512 positions (640-position bucket), old
 bundle / new side by side (bench/bundle_ab_bench.py, an Intel Xeon with AMX): int4 TPOT-512
 0.95-0.96x, bf16 0.99x; eager, 8 heads x [640, 288] rows: BLAS 27-39 us, the kernel 18; at
-4096 rows 165 against 97.
+4096 rows 165 against 97. (Since, a decode attention of fused_attention.py's size is its kernel
+whole, scores, softmax and values in one pass, before these passes run: what stays here is the
+scores of the attentions it leaves.)
 
 Why: a decode step or a short prompt chunk is bound by reading the weights, and the BLAS calls
 read them slowly at a few rows (MKL's float32 GEMM packs the weight first; blocked_matmul.py's

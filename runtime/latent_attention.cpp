@@ -128,24 +128,25 @@ constexpr int64_t THREAD_MIN_WORK = 1 << 16;
 template <class T>
 struct Task {
   const float* q;
-  const T* rows;  // the sequence's row 0 ([L, C], rows C apart)
-  const uint8_t* visible;  // [T, L]: query m's row (query0 + m) / heads
-  int64_t query0, heads, first, last;
+  const T* rows;  // the sequence's row 0 ([L, C], rows `row_stride` apart)
+  int64_t row_stride;
+  const uint8_t* visible;  // [T, L], rows `mask_stride` apart: query m's row (query0 + m) / heads
+  int64_t mask_stride, query0, heads, first, last;
   float* partial;
 };
 
 constexpr int64_t partial_width(int64_t M, int64_t V) { return M * (V + 2 + BLOCK_KEYS); }
 
-// scores[i * BLOCK_KEYS + k] = q_i . row k, for G queries and the K rows at `rows`.
+// scores[i * BLOCK_KEYS + k] = q_i . row k, for G queries and the K rows at `rows` (`R` apart).
 template <int G, int K, class T>
-void dots(const float* q, const T* rows, int64_t C, float* scores) {
+void dots(const float* q, const T* rows, int64_t R, int64_t C, float* scores) {
   Vec acc[G][K];
   for (int i = 0; i < G; ++i)
     for (int k = 0; k < K; ++k) acc[i][k] = Vec::all(0.f);
   for (int64_t c = 0; c < C; c += Vec::N) {
     const int n = int(std::min<int64_t>(Vec::N, C - c));
     Vec x[K];
-    for (int k = 0; k < K; ++k) x[k] = Vec::load(rows + k * C + c, n);
+    for (int k = 0; k < K; ++k) x[k] = Vec::load(rows + k * R + c, n);
     for (int i = 0; i < G; ++i) {
       const Vec qi = Vec::load(q + i * C + c, n);
       for (int k = 0; k < K; ++k) acc[i][k] = fma(qi, x[k], acc[i][k]);
@@ -155,9 +156,9 @@ void dots(const float* q, const T* rows, int64_t C, float* scores) {
     for (int k = 0; k < K; ++k) scores[i * BLOCK_KEYS + k] = acc[i][k].sum();
 }
 
-// acc[i] (row width V) += sum_k p[i * BLOCK_KEYS + k] row k's first V columns, for G queries, n rows.
+// acc[i] (row width V) += sum_k p[i * BLOCK_KEYS + k] row k's first V columns, for G queries, n rows `R` apart.
 template <int G, class T>
-void weighted(const float* p, const T* rows, int64_t n, int64_t C, int64_t V, float* acc) {
+void weighted(const float* p, const T* rows, int64_t n, int64_t R, int64_t V, float* acc) {
   for (int64_t v = 0; v < V; v += 2 * Vec::N) {
     const int first = int(std::min<int64_t>(Vec::N, V - v)), second = int(std::clamp<int64_t>(V - v - Vec::N, 0, Vec::N));
     Vec a[G][2];
@@ -166,7 +167,7 @@ void weighted(const float* p, const T* rows, int64_t n, int64_t C, int64_t V, fl
       a[i][1] = second ? Vec::load(acc + i * V + v + Vec::N, second) : Vec::all(0.f);
     }
     for (int64_t k = 0; k < n; ++k) {
-      const Vec x0 = Vec::load(rows + k * C + v, first), x1 = second ? Vec::load(rows + k * C + v + Vec::N, second) : Vec::all(0.f);
+      const Vec x0 = Vec::load(rows + k * R + v, first), x1 = second ? Vec::load(rows + k * R + v + Vec::N, second) : Vec::all(0.f);
       for (int i = 0; i < G; ++i) {
         const Vec pi = Vec::all(p[i * BLOCK_KEYS + k]);
         a[i][0] = fma(pi, x0, a[i][0]);
@@ -181,10 +182,10 @@ void weighted(const float* p, const T* rows, int64_t n, int64_t C, int64_t V, fl
 }
 
 template <int G, class T>
-void block_scores(const float* q, const T* rows, int64_t n, int64_t C, float* scores) {
+void block_scores(const float* q, const T* rows, int64_t n, int64_t R, int64_t C, float* scores) {
   int64_t k = 0;
-  for (; k + Vec::KEYS <= n; k += Vec::KEYS) dots<G, Vec::KEYS>(q, rows + k * C, C, scores + k);
-  for (; k < n; ++k) dots<G, 1>(q, rows + k * C, C, scores + k);
+  for (; k + Vec::KEYS <= n; k += Vec::KEYS) dots<G, Vec::KEYS>(q, rows + k * R, R, C, scores + k);
+  for (; k < n; ++k) dots<G, 1>(q, rows + k * R, R, C, scores + k);
 }
 
 template <class F>
@@ -200,18 +201,18 @@ void by_group(int64_t M, F f) {  // f(first query, a group of up to QUERIES as a
 }
 
 template <class T>
-void attend(const Task<T>& task, int64_t M, int64_t C, int64_t L, int64_t V) {
+void attend(const Task<T>& task, int64_t M, int64_t C, int64_t V) {
   float *acc = task.partial, *tops = acc + M * V, *totals = tops + M, *scores = totals + M;  // (scores [M, BLOCK_KEYS])
   std::fill_n(acc, M * V, 0.f);
   std::fill_n(tops, M, MINUS_INFINITY);
   std::fill_n(totals, M, 0.f);
   for (int64_t start = task.first; start < task.last; start += BLOCK_KEYS) {
     const int64_t n = std::min(BLOCK_KEYS, task.last - start);
-    const T* rows = task.rows + start * C;
-    by_group(M, [&](int64_t m, auto G) { block_scores<G()>(task.q + m * C, rows, n, C, scores + m * BLOCK_KEYS); });
+    const T* rows = task.rows + start * task.row_stride;
+    by_group(M, [&](int64_t m, auto G) { block_scores<G()>(task.q + m * C, rows, n, task.row_stride, C, scores + m * BLOCK_KEYS); });
     for (int64_t m = 0; m < M; ++m) {
       float* s = scores + m * BLOCK_KEYS;
-      const uint8_t* seen = task.visible + (task.query0 + m) / task.heads * L + start;
+      const uint8_t* seen = task.visible + (task.query0 + m) / task.heads * task.mask_stride + start;
       float top = MINUS_INFINITY;
       for (int64_t k = 0; k < BLOCK_KEYS; ++k) {
         s[k] = k < n && seen[k] ? s[k] : MINUS_INFINITY;
@@ -233,26 +234,29 @@ void attend(const Task<T>& task, int64_t M, int64_t C, int64_t L, int64_t V) {
       if (rescale != 1.f)
         for (int64_t v = 0; v < V; ++v) acc[m * V + v] *= rescale;
     }
-    by_group(M, [&](int64_t m, auto G) { weighted<G()>(scores + m * BLOCK_KEYS, rows, n, C, V, acc + m * V); });
+    by_group(M, [&](int64_t m, auto G) { weighted<G()>(scores + m * BLOCK_KEYS, rows, n, task.row_stride, V, acc + m * V); });
   }
 }
 
 // out [B, M, V] in queries' dtype: query row (b, m) of queries [B, M, C] over sequence b's rows of
-// cache [S, L, C] (slot slots[b]; rows contiguous, slots any stride apart), seeing row l where
-// visible[t, l] for t = (b M + m) / (B M / T), visible [T, L] bool.
+// cache [S, L, C] (slot slots[b]), seeing row l where visible[t, l] for t = (b M + m) / (B M / T),
+// visible [T, L] bool. Any strides but a unit one for the cache's and the mask's last dimension:
+// a context bucket's view of the cache pool is read where it lies, not copied (the op's
+// needs_fixed_stride_order tag tells AOTInductor so).
 AtenTensorHandle latent_attention(View queries, View cache, View slots, View visible, double scale, int64_t V) {
-  const bool bf16 = queries.is(aoti_torch_dtype_bfloat16());
-  STD_TORCH_CHECK(bf16 || queries.is(aoti_torch_dtype_float32()), "latent_attention: queries must be contiguous float32 or bfloat16");
+  const bool bf16 = queries.of(aoti_torch_dtype_bfloat16());
+  STD_TORCH_CHECK(bf16 || queries.of(aoti_torch_dtype_float32()), "latent_attention: queries must be float32 or bfloat16");
   STD_TORCH_CHECK(queries.dim() == 3 && cache.dim() == 3 && visible.dim() == 2, "latent_attention: queries [B, M, C], cache [S, L, C], visible [T, L]");
   const int64_t B = queries.size(0), M = queries.size(1), C = queries.size(2), S = cache.size(0), L = cache.size(1), T = visible.size(0);
-  STD_TORCH_CHECK(cache.of(bf16 ? aoti_torch_dtype_bfloat16() : aoti_torch_dtype_float32()) && cache.size(2) == C && cache.stride(2) == 1 &&
-                  cache.stride(1) == C, "latent_attention: cache must be [S, L, C] in the queries' dtype, its rows contiguous");
-  STD_TORCH_CHECK(slots.is(aoti_torch_dtype_int64()) && slots.dim() == 1 && slots.size(0) == B, "latent_attention: slots must be contiguous int64 [B]");
-  STD_TORCH_CHECK(visible.is(aoti_torch_dtype_bool()) && visible.size(1) == L && T > 0 && (B * M) % T == 0,
-                  "latent_attention: visible must be contiguous bool [T, L], T dividing B x M");
+  STD_TORCH_CHECK(cache.of(bf16 ? aoti_torch_dtype_bfloat16() : aoti_torch_dtype_float32()) && cache.size(2) == C && cache.stride(2) == 1,
+                  "latent_attention: cache must be [S, L, C] in the queries' dtype, each row's elements adjacent");
+  STD_TORCH_CHECK(slots.of(aoti_torch_dtype_int64()) && slots.dim() == 1 && slots.size(0) == B, "latent_attention: slots must be int64 [B]");
+  STD_TORCH_CHECK(visible.of(aoti_torch_dtype_bool()) && visible.size(1) == L && visible.stride(1) == 1 && T > 0 && (B * M) % T == 0,
+                  "latent_attention: visible must be bool [T, L], each row's elements adjacent, T dividing B x M");
   STD_TORCH_CHECK(C % 8 == 0 && V % 8 == 0 && V <= C, "latent_attention: widths must be multiples of 8, values at most C");
   const int64_t heads = B * M / T;  // query rows a row of the mask serves
   const int64_t* slot = static_cast<const int64_t*>(slots.data());
+  const int64_t slot_stride = slots.stride(0), row_stride = cache.stride(1), mask_stride = visible.stride(0);
   const uint8_t* mask = static_cast<const uint8_t*>(visible.data());
 
   // Tasks: each sequence's rows spanning those any of its queries sees, cut into as many runs of
@@ -261,11 +265,12 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
   std::vector<Run> runs;
   const int64_t threads = std::max<uint32_t>(1, torch::stable::get_num_threads());
   for (int64_t b = 0; b < B; ++b) {
-    STD_TORCH_CHECK(slot[b] >= 0 && slot[b] < S, "latent_attention: slot ", slot[b], " outside the cache's ", S);
+    const int64_t s = slot[b * slot_stride];
+    STD_TORCH_CHECK(s >= 0 && s < S, "latent_attention: slot ", s, " outside the cache's ", S);
     int64_t first = L, last = 0;
     for (int64_t t = b * M / heads; t <= (b * M + M - 1) / heads; ++t)
       for (int64_t l = 0; l < L; ++l)
-        if (mask[t * L + l]) first = std::min(first, l), last = std::max(last, l + 1);
+        if (mask[t * mask_stride + l]) first = std::min(first, l), last = std::max(last, l + 1);
     const int64_t blocks = (std::max<int64_t>(0, last - first) + BLOCK_KEYS - 1) / BLOCK_KEYS;
     const int64_t parts = std::max<int64_t>(1, std::min({(threads + B - 1) / B, blocks, (last - first) * M * (C + V) / THREAD_MIN_WORK}));
     for (int64_t r = 0; r < parts; ++r)
@@ -276,21 +281,26 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
   const int64_t tasks = int64_t(runs.size()), width = partial_width(M, V);
   std::vector<float> work(B * M * C + tasks * width);
   float* q = work.data();
-  for (int64_t i = 0; i < B * M * C; ++i)
-    q[i] = float(scale) * (bf16 ? bf16_to_float(static_cast<const uint16_t*>(queries.data())[i]) : static_cast<const float*>(queries.data())[i]);
+  const int64_t qb = queries.stride(0), qm = queries.stride(1), qc = queries.stride(2);
+  for (int64_t b = 0, i = 0; b < B; ++b)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < C; ++c, ++i) {
+        const int64_t at = b * qb + m * qm + c * qc;
+        q[i] = float(scale) * (bf16 ? bf16_to_float(static_cast<const uint16_t*>(queries.data())[at]) : static_cast<const float*>(queries.data())[at]);
+      }
   auto attend_all = [&](auto zero) {
     using T = decltype(zero);
     const uint8_t* base = static_cast<const uint8_t*>(cache.data());
     auto task = [&](int64_t t) {
       const Run& run = runs[t];
-      return Task<T>{q + run.b * M * C, reinterpret_cast<const T*>(base + slot[run.b] * cache.stride(0) * int64_t(sizeof(T))),
-                     mask, run.b * M, heads, run.first, run.last, q + B * M * C + t * width};
+      return Task<T>{q + run.b * M * C, reinterpret_cast<const T*>(base + slot[run.b * slot_stride] * cache.stride(0) * int64_t(sizeof(T))),
+                     row_stride, mask, mask_stride, run.b * M, heads, run.first, run.last, q + B * M * C + t * width};
     };
     if (tasks == 1)
-      attend(task(0), M, C, L, V);
+      attend(task(0), M, C, V);
     else
       torch::stable::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) attend(task(t), M, C, L, V);
+        for (int64_t t = begin; t < end; ++t) attend(task(t), M, C, V);
       });
   };
   if (bf16) attend_all(uint16_t()); else attend_all(float());

@@ -4,8 +4,8 @@ where compiler/backends/fused_attention.py finds that attention in a region's gr
     torch.ops.deepinfer.latent_attention(queries, cache, slots, visible, scale, values)
 
 queries [B, M, C] (float32 or bfloat16) are sequence b's M query rows (a decode step's heads); its
-cached rows are cache[slots[b]] ([S, L, C] in the queries' dtype, each row contiguous, the slots
-any stride apart: the region's own cache input, read where it lies). Query row (b, m) sees row l
+cached rows are cache[slots[b]] ([S, L, C] in the queries' dtype, the region's own cache input, read
+where it lies: any strides but a unit one between a row's elements). Query row (b, m) sees row l
 where visible[t, l], t = (b M + m) / (B M / T), visible [T, L] bool (a decode step's rows: its
 positions so far). The result, [B, M, values] in the queries' dtype:
 
@@ -26,8 +26,13 @@ import torch
 
 from . import int_matmul
 
+# Its inputs keep their strides' order, not their strides (AOTInductor's default for a custom op):
+# a context bucket's cache is a view of the pool, which the kernel reads as it lies, where exact
+# strides had the generated code copy every slot's rows of the bucket each step (the 190M's
+# 64-position decode: 147 KB a layer; a 640-position bucket of a 4096-position pool, 1.5 MB).
 torch.library.define("deepinfer::latent_attention",
-                     "(Tensor queries, Tensor cache, Tensor slots, Tensor visible, float scale, int values) -> Tensor")
+                     "(Tensor queries, Tensor cache, Tensor slots, Tensor visible, float scale, int values) -> Tensor",
+                     tags=(torch.Tag.needs_fixed_stride_order,))
 
 # Its C function, as AOTInductor's generated code declares it (int_matmul.C_SHIMS's convention).
 C_SHIMS = {

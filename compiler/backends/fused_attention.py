@@ -91,7 +91,7 @@ def _kernel_takes(q, cache, visible, scores, width: int) -> bool:
     (B, M, C), L = q.shape, cache.shape[1]
     return (q.dtype in (torch.float32, torch.bfloat16) and cache.dtype == q.dtype and visible.dtype == torch.bool and q.device.type == "cpu"
             and M <= MOST_QUERIES and B * M * L * (C + width) >= FROM_WORK and tuple(visible.shape) == (scores.shape[0], L)
-            and C % 8 == 0 and width % 8 == 0 and width <= C and cache.stride(2) == 1 and cache.stride(1) == C)
+            and C % 8 == 0 and width % 8 == 0 and width <= C and cache.stride(2) == 1)
 
 
 def _is(node, target) -> bool:

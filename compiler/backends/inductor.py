@@ -112,7 +112,10 @@ def compute_note(toolchain: dict, dtype: str, kept_quantized: bool) -> str | Non
     return "; ".join(notes) or None
 
 
-PASSES = (fused_attention, one_row_views, float32_products, few_row_products, blocked_matmul, gathered_matvec, fp8_decode)  # modules whose source fingerprints regions
+# Modules whose source fingerprints regions: the graph passes, and the modules defining the ops they
+# call (an op's schema and tags shape the code inductor generates around its calls).
+FINGERPRINTED = (fused_attention, one_row_views, float32_products, few_row_products, blocked_matmul, gathered_matvec, fp8_decode,
+                 int_matmul, latent_attention)
 
 
 class GraphPasses(CustomGraphPass):
@@ -138,9 +141,9 @@ class GraphPasses(CustomGraphPass):
 
 
 def passes_hash() -> str:
-    """Changes with the passes' source, so compiled regions (whose fingerprints carry it) follow them."""
+    """Changes with the passes' and the ops' source, so compiled regions (whose fingerprints carry it) follow them."""
     digest = hashlib.sha256()
-    for module in PASSES:
+    for module in FINGERPRINTED:
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -1,9 +1,11 @@
 """The inductor backend's fused attention (compiler/backends/fused_attention.py): the model's decode
 attention, exported, becomes one latent_attention call computing what the graph did, the cache
 written as before; a prompt chunk's many query rows, an attention too small for a call, and the
-expanded prefill form stay as they were. The session's AOTInductor bundle calls the kernel."""
+expanded prefill form stay as they were. Inductor hands the kernel a context bucket's view of the
+cache as it lies. The session's AOTInductor bundle calls the kernel."""
 
 import json
+import re
 import zipfile
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 
 from deepinfer.compiler.backends import fused_attention
 from deepinfer.models import build_model
+from tests.compiler.test_gathered_matvec import compiled_code
 from tests.conftest import TINY_RECIPE
 
 CONFIG = yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"]  # (4 heads, rows of 32 + 8: one sequence's 512 rows are past FROM_WORK)
@@ -80,3 +83,25 @@ def test_the_sessions_aotinductor_bundle_calls_the_kernel(tiny_bundle):
     with zipfile.ZipFile(region) as archive:
         wrapper = next(archive.read(name).decode() for name in archive.namelist() if name.endswith(".wrapper.cpp"))
     assert wrapper.count("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_latent_attention(") == 1
+
+
+def stored_and_attended(queries, kv, slots, positions, rows):
+    """A region's decode attention after fused_attention: the step's rows stored, then the kernel."""
+    kv.index_put_((slots, positions), rows)
+    visible = torch.arange(kv.shape[1])[None, :] <= positions[:, None]
+    return FUSED(queries * 2, kv, slots, visible, 0.1, 32)
+
+
+def test_a_context_buckets_view_of_the_cache_reaches_the_kernel_uncopied():
+    """The op's needs_fixed_stride_order: inductor passes the bucket's view of the pool (the first
+    256 of 512 positions a slot) where it lies, the step's rows stored into it, instead of copying
+    every slot's rows into a buffer of the bucket's exact strides each step."""
+    pool = torch.randn(4, 512, 40)
+    args = (torch.randn(2, 4, 40), pool[:, :256], torch.tensor([3, 1]), torch.tensor([100, 7]), torch.randn(2, 40))
+    expected_pool = pool.clone()
+    expected = stored_and_attended(args[0], expected_pool[:, :256], *args[2:])
+    got, code = compiled_code(stored_and_attended, *args)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, expected_pool, atol=0, rtol=0)
+    (call,) = re.findall(r"torch\.ops\.deepinfer\.latent_attention\.default\((\w+), (\w+),", code)
+    assert re.fullmatch(r"arg\d+_1", call[1]), f"the cache argument is {call[1]}, a copy, not the region's input:\n{code}"

@@ -55,6 +55,23 @@ def test_the_rows_are_read_where_they_lie_in_a_context_buckets_view():
                                latent_attention.reference(queries, bucket.contiguous(), slots, visible, scale, values), atol=2e-6, rtol=1e-5)
 
 
+def test_every_input_is_read_through_its_strides():
+    """What AOTInductor may pass under the op's needs_fixed_stride_order: views of wider buffers."""
+    queries, cache, slots, visible, scale, values = case(*CASES[1])
+    B, M, C = queries.shape
+    wide_queries = torch.randn(M, B, C + 8)[:, :, :C].transpose(0, 1)  # [B, M, C], rows C + 8 apart, sequences further
+    wide_queries.copy_(queries)
+    wide_cache = torch.randn(*cache.shape[:2], C + 16)[:, :, :C]  # rows C + 16 apart
+    wide_cache.copy_(cache)
+    wide_visible = torch.cat([visible, ~visible], dim=1)[:, : visible.shape[1]]  # rows 2L apart
+    wide_slots = torch.stack([slots, slots], dim=1)[:, 0]  # 2 apart
+    assert not any(t.is_contiguous() for t in (wide_queries, wide_cache, wide_visible, wide_slots))
+    torch.testing.assert_close(torch.ops.deepinfer.latent_attention(wide_queries, wide_cache, wide_slots, wide_visible, scale, values),
+                               latent_attention.reference(queries, cache, slots, visible, scale, values), atol=2e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="each row's elements adjacent"):
+        torch.ops.deepinfer.latent_attention(queries, torch.randn(*cache.shape[:2], 2 * C)[:, :, ::2], slots, visible, scale, values)
+
+
 def test_one_thread_computes_what_two_do():
     args = case(*CASES[0])
     two = torch.ops.deepinfer.latent_attention(*args)

@@ -282,11 +282,12 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
   std::vector<float> work(B * M * C + tasks * width);
   float* q = work.data();
   const int64_t qb = queries.stride(0), qm = queries.stride(1), qc = queries.stride(2);
+  const void* given = queries.data();  // (a library call: not per element)
   for (int64_t b = 0, i = 0; b < B; ++b)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < C; ++c, ++i) {
         const int64_t at = b * qb + m * qm + c * qc;
-        q[i] = float(scale) * (bf16 ? bf16_to_float(static_cast<const uint16_t*>(queries.data())[at]) : static_cast<const float*>(queries.data())[at]);
+        q[i] = float(scale) * (bf16 ? bf16_to_float(static_cast<const uint16_t*>(given)[at]) : static_cast<const float*>(given)[at]);
       }
   auto attend_all = [&](auto zero) {
     using T = decltype(zero);

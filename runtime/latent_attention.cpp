@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -135,7 +137,8 @@ struct Task {
   float* partial;
 };
 
-constexpr int64_t partial_width(int64_t M, int64_t V) { return M * (V + 2 + BLOCK_KEYS); }
+// (rounded up to whole 64-byte lines: one thread's scores and the next one's sums never share a line)
+constexpr int64_t partial_width(int64_t M, int64_t V) { return (M * (V + 2 + BLOCK_KEYS) + 15) / 16 * 16; }
 
 // scores[i * BLOCK_KEYS + k] = q_i . row k, for G queries and the K rows at `rows` (`R` apart).
 template <int G, int K, class T>
@@ -277,10 +280,12 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
       runs.push_back({b, std::min(last, first + blocks * r / parts * BLOCK_KEYS), std::min(last, first + blocks * (r + 1) / parts * BLOCK_KEYS)});
   }
 
-  // One buffer: the queries in float32, scaled [B, M, C], then each task's partial result.
-  const int64_t tasks = int64_t(runs.size()), width = partial_width(M, V);
-  std::vector<float> work(B * M * C + tasks * width);
-  float* q = work.data();
+  // One buffer, on a 64-byte line (no task's part shares a line with another's): the queries in
+  // float32, scaled [B, M, C], then each task's partial result (uninitialized: its task sets it).
+  const int64_t tasks = int64_t(runs.size()), width = partial_width(M, V), queries_width = (B * M * C + 15) / 16 * 16;
+  const std::unique_ptr<float[]> work(new float[queries_width + tasks * width + 16]);
+  float* q = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.get()) + 63) & ~uintptr_t(63));
+  float* partials = q + queries_width;
   const int64_t qb = queries.stride(0), qm = queries.stride(1), qc = queries.stride(2);
   const void* given = queries.data();  // (a library call: not per element)
   for (int64_t b = 0, i = 0; b < B; ++b)
@@ -295,7 +300,7 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
     auto task = [&](int64_t t) {
       const Run& run = runs[t];
       return Task<T>{q + run.b * M * C, reinterpret_cast<const T*>(base + slot[run.b * slot_stride] * cache.stride(0) * int64_t(sizeof(T))),
-                     row_stride, mask, mask_stride, run.b * M, heads, run.first, run.last, q + B * M * C + t * width};
+                     row_stride, mask, mask_stride, run.b * M, heads, run.first, run.last, partials + t * width};
     };
     if (tasks == 1)
       attend(task(0), M, C, V);
@@ -310,7 +315,6 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
   // NaN, as torch's softmax over -inf).
   const AtenTensorHandle out = empty({B, M, V}, bf16 ? aoti_torch_dtype_bfloat16() : aoti_torch_dtype_float32());
   void* y = View{out}.data();
-  float* partials = q + B * M * C;
   for (int64_t t = 0; t < tasks;) {
     int64_t end = t + 1;
     while (end < tasks && runs[end].b == runs[t].b) ++end;

@@ -259,7 +259,7 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
   STD_TORCH_CHECK(C % 8 == 0 && V % 8 == 0 && V <= C, "latent_attention: widths must be multiples of 8, values at most C");
   const int64_t heads = B * M / T;  // query rows a row of the mask serves
   const int64_t* slot = static_cast<const int64_t*>(slots.data());
-  const int64_t slot_stride = slots.stride(0), row_stride = cache.stride(1), mask_stride = visible.stride(0);
+  const int64_t slot_stride = slots.stride(0), slot_apart = cache.stride(0), row_stride = cache.stride(1), mask_stride = visible.stride(0);
   const uint8_t* mask = static_cast<const uint8_t*>(visible.data());
 
   // Tasks: each sequence's rows spanning those any of its queries sees, cut into as many runs of
@@ -299,7 +299,7 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
     const uint8_t* base = static_cast<const uint8_t*>(cache.data());
     auto task = [&](int64_t t) {
       const Run& run = runs[t];
-      return Task<T>{q + run.b * M * C, reinterpret_cast<const T*>(base + slot[run.b * slot_stride] * cache.stride(0) * int64_t(sizeof(T))),
+      return Task<T>{q + run.b * M * C, reinterpret_cast<const T*>(base + slot[run.b * slot_stride] * slot_apart * int64_t(sizeof(T))),
                      row_stride, mask, mask_stride, run.b * M, heads, run.first, run.last, partials + t * width};
     };
     if (tasks == 1)

@@ -137,8 +137,10 @@ struct Task {
   float* partial;
 };
 
-// (rounded up to whole 64-byte lines: one thread's scores and the next one's sums never share a line)
-constexpr int64_t partial_width(int64_t M, int64_t V) { return (M * (V + 2 + BLOCK_KEYS) + 15) / 16 * 16; }
+// n floats rounded up to whole 64-byte lines: one thread's part of a buffer never shares a line with another's.
+constexpr int64_t whole_lines(int64_t n) { return (n + 15) / 16 * 16; }
+
+constexpr int64_t partial_width(int64_t M, int64_t V) { return whole_lines(M * (V + 2 + BLOCK_KEYS)); }
 
 // scores[i * BLOCK_KEYS + k] = q_i . row k, for G queries and the K rows at `rows` (`R` apart).
 template <int G, int K, class T>
@@ -282,7 +284,7 @@ AtenTensorHandle latent_attention(View queries, View cache, View slots, View vis
 
   // One buffer, on a 64-byte line (no task's part shares a line with another's): the queries in
   // float32, scaled [B, M, C], then each task's partial result (uninitialized: its task sets it).
-  const int64_t tasks = int64_t(runs.size()), width = partial_width(M, V), queries_width = (B * M * C + 15) / 16 * 16;
+  const int64_t tasks = int64_t(runs.size()), width = partial_width(M, V), queries_width = whole_lines(B * M * C);
   const std::unique_ptr<float[]> work(new float[queries_width + tasks * width + 16]);
   float* q = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.get()) + 63) & ~uintptr_t(63));
   float* partials = q + queries_width;
